@@ -1,0 +1,51 @@
+"""Boolean attention masks shared by the backends that materialise scores (naive, hybrid, sdpa).
+
+A mask is True where a query may attend to a key. Three rules combine: causality (key position <=
+query position), an optional sliding window (query - key < window) and optional document
+boundaries (query and key carry the same document id).
+"""
+from typing import Optional
+
+import torch
+
+
+def allowed(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: Optional[int] = None,
+    doc_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Mask of the (query, key) pairs that may attend.
+
+    q_pos: (Tq,) and k_pos: (Tk,) absolute token positions; doc_ids: (B, T) document index of each
+    position, or None. Returns (1, 1, Tq, Tk) without doc_ids, else (B, 1, Tq, Tk).
+    """
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask = mask & (diff < window)
+    mask = mask[None, None]
+    if doc_ids is not None:
+        same_doc = doc_ids[:, q_pos, None] == doc_ids[:, None, k_pos]
+        mask = mask & same_doc[:, None]
+    return mask
+
+
+def group_queries(q: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """View queries by the key/value head they share (grouped-query attention, no copy of K/V).
+
+    q: (B, T, H, D) -> (B, H_kv, G, T, D) where G = H // H_kv.
+    """
+    B, T, H, D = q.shape
+    return q.view(B, T, n_kv_head, H // n_kv_head, D).permute(0, 2, 3, 1, 4)
+
+
+def ungroup_output(o: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``group_queries`` for the output: (B, H_kv, G, T, D) -> (B, T, H, D)."""
+    B, Hkv, G, T, D = o.shape
+    return o.permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G, D)
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, H, D) -> (B, H, 1, T, D): keys/values laid out to broadcast over query groups."""
+    return x.permute(0, 2, 1, 3).unsqueeze(2)

@@ -1,0 +1,29 @@
+"""Naive attention: the textbook version with the full (T x T) score matrix in memory."""
+import math
+from typing import Optional
+
+import torch
+
+from model.attention.masks import allowed, group_queries, heads_first, ungroup_output
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v, materialising every score.
+
+    q: (B, T, H, D); k, v: (B, T, H_kv, D) with H % H_kv == 0; doc_ids: (B, T) or None.
+    Returns o: (B, T, H, D) in q's dtype. Scores live as (B, H_kv, G, T, T); the softmax runs in fp32.
+    """
+    T, D = q.shape[1], q.shape[3]
+    qg = group_queries(q, k.shape[2])  # (B, Hkv, G, T, D)
+    scores = (qg @ heads_first(k).transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (B, Hkv, G, T, T)
+    pos = torch.arange(T, device=q.device)
+    mask = allowed(pos, pos, window, doc_ids).unsqueeze(1)  # (B|1, 1, 1, T, T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return ungroup_output(probs @ heads_first(v))

@@ -1,0 +1,85 @@
+"""ModelConfig: the shape of the GPT, and the checks that reject impossible shapes early."""
+from dataclasses import dataclass
+from typing import Optional
+
+from training.errors import UserError
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+MLPS = ("gelu", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: Optional[int] = None  # grouped-query attention; None means n_head
+    n_embd: int = 128
+    block_size: int = 128  # longest sequence the model accepts
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer, padded to a multiple of 64
+    dropout: float = 0.0
+    bias: bool = False
+    norm: str = "layernorm"
+    pos: str = "learned"
+    mlp: str = "gelu"
+    activation_checkpointing: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the tokenizer's vocabulary up so the embedding matmuls hit fast tile sizes (50257 -> 50304)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def validate_model(cfg: ModelConfig) -> None:
+    """Reject shapes the model cannot be built with; each message names the option and the fix."""
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(cfg, key) <= 0:
+            raise UserError(f"model.{key}={getattr(cfg, key)} must be a positive integer")
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(
+            f"model.n_embd={cfg.n_embd} is not divisible by model.n_head={cfg.n_head}; "
+            f"pick n_embd as a multiple of n_head (e.g. {cfg.n_head * max(1, cfg.n_embd // cfg.n_head)})"
+        )
+    if cfg.kv_heads <= 0 or cfg.n_head % cfg.kv_heads:
+        raise UserError(
+            f"model.n_head={cfg.n_head} is not a multiple of model.n_kv_head={cfg.n_kv_head}; "
+            "choose n_kv_head among the divisors of n_head"
+        )
+    if cfg.pos == "rope" and cfg.head_dim % 2:
+        raise UserError(f"model.pos=rope needs an even head size, got n_embd/n_head={cfg.head_dim}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise UserError(f"model.dropout={cfg.dropout} must be in [0, 1)")
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+        if getattr(cfg, key) not in choices:
+            raise UserError(f"model.{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
+    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
+        raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")
+
+
+ATTENTION_BACKENDS = ("naive", "hybrid", "sdpa", "flash")
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "sdpa"  # naive | hybrid | sdpa | flash
+    block_size: int = 64  # hybrid: queries per block
+    window: Optional[int] = None  # sliding-window causal attention: each query sees its last `window` keys
+    strict: bool = False  # flash: fail instead of falling back to sdpa when the kernel cannot run
+
+
+def validate_attention(cfg: AttentionConfig) -> None:
+    if cfg.name not in ATTENTION_BACKENDS:
+        raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if cfg.block_size <= 0:
+        raise UserError(f"attention.block_size={cfg.block_size} must be a positive integer")
+    if cfg.window is not None and cfg.window <= 0:
+        raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")

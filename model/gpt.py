@@ -1,0 +1,194 @@
+"""The GPT: token embedding, a stack of pre-norm transformer blocks, a tied language-model head.
+
+Read top to bottom: rotary embeddings, the attention layer, the MLP, the block, the model. The
+attention layer hands q, k, v in (B, T, H, D) layout to the backend chosen by ``attention=``; every
+other part is plain PyTorch.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from model.attention import Attend
+from model.config import ModelConfig
+
+
+def rope_tables(T: int, head_dim: int, device: torch.device, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles: each (T, head_dim // 2), fp32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) by position. x: (B, T, H, D); cos, sin: (T, D/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.n_embd)
+    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention around a pluggable backend."""
+
+    def __init__(self, cfg: ModelConfig, attend: Attend):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, qkv_width, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_projection = True
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attend = attend
+
+    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C)."""
+        B, T, C = x.shape
+        qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = self.attend(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
+        return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    """GELU (4x wide) or SwiGLU (about 8/3 x wide, rounded to 64) feed-forward layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        hidden = 4 * cfg.n_embd if not self.gated else 64 * math.ceil(8 * cfg.n_embd / 3 / 64)
+        self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.gated else hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, attend: Attend):
+        super().__init__()
+        self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attend)
+        self.ln_2, self.mlp = make_norm(cfg), MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope=None, doc_ids=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, doc_ids)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer with weight tying and GPT-2 initialisation.
+
+    ``cfg.vocab_size`` must be set (the padded vocabulary); ``attend`` is the attention backend.
+    """
+
+    def __init__(self, cfg: ModelConfig, attend: Attend):
+        super().__init__()
+        assert cfg.vocab_size is not None, "resolve model.vocab_size from the tokenizer before building"
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layer))
+        self.ln_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases."""
+        if isinstance(module, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position table is left out by default (it does no matmul work)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        doc_ids: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """idx, targets: (B, T) token ids; doc_ids: (B, T) document index or None.
+
+        Returns (logits, loss): logits (B, T, V) when no targets are given, else the last position's
+        logits (B, 1, V) and the mean cross-entropy over all positions.
+        """
+        B, T = idx.shape
+        x = self.wte(idx)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        else:
+            rope = rope_tables(T, self.cfg.head_dim, idx.device)
+        x = self.drop(x)
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training:
+                x = checkpoint(block, x, rope, doc_ids, use_reentrant=False)
+            else:
+                x = block(x, rope, doc_ids)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits[:, -1:], loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        vocab_limit: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to idx: (B, T0) -> (B, T0 + max_new_tokens).
+
+        ``vocab_limit`` masks the padding ids above the tokenizer's vocabulary.
+        """
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.block_size:]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")
+            if temperature <= 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, next_id], dim=1)
+        return idx
