@@ -1,0 +1,382 @@
+"""Flash-attention backward: preprocess, dK/dV and dQ Triton kernels, and their launch function.
+
+FlashAttention-2 style recompute: nothing of size T x T is saved. From q, k, v, the output o, its
+gradient do and the saved log-sum-exp (natural log, converted to base 2 in the kernels):
+
+* ``_bwd_preprocess``: delta_i = sum_d do_id * o_id (fp32), shape (B, H, T).
+* ``_attn_bwd_dkdv_kernel``: one program per block of ``BLOCK_N`` keys of one kv head; it loops
+  over the ``G`` query heads sharing that kv head (GQA) and over their query blocks, recomputing
+  P^T = exp2(K Q^T * scale - lse) and accumulating dV += P^T dO, dK += dS^T Q in fp32 registers.
+  No atomics: each dK/dV row is written once by one program, so the result is deterministic.
+* ``_attn_bwd_dq_kernel``: one program per block of ``BLOCK_M`` queries of one query head,
+  looping over key blocks: dQ += dS K with dS = P * (dO V^T - delta).
+
+P and dS are cast to the inputs' element type before their matmul. Key/query ranges are split
+into unmasked and masked (causal diagonal, window edge, ragged end) loops as in the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import make_pruner, triton_configs
+from .forward import _dot, _load_rows, launch, seq_layout
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bwd_preprocess(
+    O, DO, DELTA, T, H,
+    stride_ob, stride_ot, stride_oh,
+    stride_dob, stride_dot, stride_doh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + i_b.to(tl.int64) * stride_ob + i_h * stride_oh
+                + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h * stride_doh
+                 + offs_m[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + i_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+    offs_n, offs_d, d_mask,
+    lo, hi, seqlen, qk_scale, window,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen,
+                       d_mask, MASKED, EVEN_D)
+        do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], offs_m, seqlen,
+                        d_mask, MASKED, EVEN_D)
+        if MASKED:
+            m_mask = offs_m < seqlen
+            lse = tl.load(lse_base + offs_m, mask=m_mask, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=m_mask, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
+        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if MASKED:
+            valid = m_mask[None, :]
+            if IS_CAUSAL:
+                valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            if HAS_WINDOW:
+                valid = valid & (offs_m[None, :] - offs_n[:, None] < window)
+            p_t = tl.where(valid, p_t, 0.0)
+        dv = _dot(p_t.to(do.dtype), do, dv, IEEE)
+        dp_t = _dot(v, tl.trans(do), None, IEEE)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot(ds_t.to(q.dtype), q, dk, IEEE)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T", "WINDOW"])
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
+    qk_scale, sm_scale, T, H, G, WINDOW,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dkb, stride_dkt, stride_dkh,
+    stride_dvb, stride_dvt, stride_dvh,
+    T_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    i_b = tl.program_id(1)
+    i_kvh = tl.program_id(2)
+    if IS_VARLEN:
+        bos = tl.load(CU_SEQLENS + i_b).to(tl.int64)
+        seqlen = (tl.load(CU_SEQLENS + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+        q_off = bos * stride_qt
+        k_off = bos * stride_kt
+        v_off = bos * stride_vt
+        do_off = bos * stride_dot
+        dk_off = bos * stride_dkt
+        dv_off = bos * stride_dvt
+        lse_row = bos  # + h * T
+        lse_b = 0
+    else:
+        seqlen = T
+        q_off = i_b.to(tl.int64) * stride_qb
+        k_off = i_b.to(tl.int64) * stride_kb
+        v_off = i_b.to(tl.int64) * stride_vb
+        do_off = i_b.to(tl.int64) * stride_dob
+        dk_off = i_b.to(tl.int64) * stride_dkb
+        dv_off = i_b.to(tl.int64) * stride_dvb
+        lse_row = 0
+        lse_b = i_b.to(tl.int64) * H
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    n_mask = offs_n < seqlen
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + k_off + i_kvh.to(tl.int64) * stride_kh
+                + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + v_off + i_kvh.to(tl.int64) * stride_vh
+                + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    # Query ranges: [lo, b) diagonal (masked), [b, c) full (unmasked), [c, hi) window edge /
+    # ragged end (masked).
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        full_lo = 0
+    hi = seqlen
+    full_hi = (seqlen // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(seqlen, start_n + BLOCK_N - 1 + WINDOW)
+        full_hi = tl.minimum(full_hi, ((start_n + WINDOW) // BLOCK_M) * BLOCK_M)
+    hi = tl.where(start_n < seqlen, hi, lo)  # programs past a short document do nothing
+    b = tl.minimum(tl.maximum(full_lo, lo), hi)
+    c = tl.minimum(tl.maximum(full_hi, b), hi)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, G):  # the query heads that share this kv head
+        i_h = i_kvh * G + g
+        q_base = Q + q_off + i_h.to(tl.int64) * stride_qh
+        do_base = DO + do_off + i_h.to(tl.int64) * stride_doh
+        lse_base = LSE + (lse_b + i_h) * T + lse_row
+        delta_base = DELTA + (lse_b + i_h) * T + lse_row
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             lo, b, seqlen, qk_scale, WINDOW,
+                             True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             b, c, seqlen, qk_scale, WINDOW,
+                             False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             c, hi, seqlen, qk_scale, WINDOW,
+                             True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+    dk = dk * sm_scale
+    tl.store(DK + dk_off + i_kvh.to(tl.int64) * stride_dkh
+             + offs_n[:, None] * stride_dkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=kv_mask)
+    tl.store(DV + dv_off + i_kvh.to(tl.int64) * stride_dvh
+             + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta,
+    k_base, v_base, stride_kt, stride_vt,
+    offs_m, offs_d, d_mask,
+    lo, hi, seqlen, qk_scale, window,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n, seqlen,
+                       d_mask, MASKED, EVEN_D)
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
+                       d_mask, MASKED, EVEN_D)
+        s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            valid = offs_n[None, :] < seqlen
+            if IS_CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            if HAS_WINDOW:
+                valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
+            p = tl.where(valid, p, 0.0)
+        dp = _dot(do, tl.trans(v), None, IEEE)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, dq, IEEE)
+    return dq
+
+
+@triton.jit(do_not_specialize=["T", "WINDOW"])
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    qk_scale, sm_scale, T, H, G, WINDOW,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh,
+    T_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    i_b = tl.program_id(1)
+    i_h = tl.program_id(2)
+    if IS_CAUSAL:  # longest query blocks first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    i_kvh = i_h // G
+    if IS_VARLEN:
+        bos = tl.load(CU_SEQLENS + i_b).to(tl.int64)
+        seqlen = (tl.load(CU_SEQLENS + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+        q_off = bos * stride_qt
+        k_off = bos * stride_kt
+        v_off = bos * stride_vt
+        do_off = bos * stride_dot
+        dq_off = bos * stride_dqt
+        lse_off = i_h.to(tl.int64) * T + bos
+    else:
+        seqlen = T
+        q_off = i_b.to(tl.int64) * stride_qb
+        k_off = i_b.to(tl.int64) * stride_kb
+        v_off = i_b.to(tl.int64) * stride_vb
+        do_off = i_b.to(tl.int64) * stride_dob
+        dq_off = i_b.to(tl.int64) * stride_dqb
+        lse_off = (i_b * H + i_h).to(tl.int64) * T
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_mask = offs_m < seqlen
+    q = _load_rows(Q + q_off + i_h.to(tl.int64) * stride_qh
+                   + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen, d_mask,
+                   True, EVEN_D)
+    do = _load_rows(DO + do_off + i_h.to(tl.int64) * stride_doh
+                    + offs_m[:, None] * stride_dot + offs_d[None, :], offs_m, seqlen, d_mask,
+                    True, EVEN_D)
+    lse2 = tl.load(LSE + lse_off + offs_m, mask=m_mask, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_off + offs_m, mask=m_mask, other=0.0)
+    k_base = K + k_off + i_kvh.to(tl.int64) * stride_kh
+    v_base = V + v_off + i_kvh.to(tl.int64) * stride_vh
+
+    if IS_CAUSAL:
+        hi = tl.minimum(seqlen, start_m + BLOCK_M)
+        full_hi = ((start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seqlen
+        full_hi = (seqlen // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        lo = (tl.maximum(start_m - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        full_lo = 0
+    hi = tl.where(start_m < seqlen, hi, lo)
+    b = tl.minimum(tl.maximum(full_lo, lo), hi)
+    c = tl.minimum(tl.maximum(full_hi, b), hi)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                       offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
+                       True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                   offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
+                   False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                   offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
+                   True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+    dq = dq * sm_scale
+    tl.store(DQ + dq_off + i_h.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+
+
+_AUTOTUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"]
+_attn_bwd_dkdv_tuned = triton.autotune(
+    configs=triton_configs("dkdv"), key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": make_pruner("dkdv")},
+)(_attn_bwd_dkdv_kernel)
+_attn_bwd_dq_tuned = triton.autotune(
+    configs=triton_configs("dq"), key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": make_pruner("dq")},
+)(_attn_bwd_dq_kernel)
+
+
+def attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+    cu_seqlens: torch.Tensor | None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the attention output (and optionally of its lse) wrt q, k, v.
+
+    do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
+    last dims contiguous. Returns dq (like q), dk (like k), dv (like v), contiguous.
+    """
+    from .forward import LOG2E
+
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    dq = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, T, H_kv, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, T, H_kv, D), dtype=v.dtype, device=v.device)
+    n_seq, max_len = seq_layout(q, cu_seqlens)
+    if n_seq == 0 or max_len == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    block_d = max(16, triton.next_power_of_2(D))
+
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    pre_m = 64 if block_d <= 128 else 32
+    _bwd_preprocess[(triton.cdiv(T, pre_m), B * H)](
+        o, do, delta, T, H,
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m,
+    )
+    if dlse is not None:  # d lse_i / d s_ij = P_ij, i.e. dS gains P * dlse: fold into delta
+        delta = delta - dlse.float()
+
+    common = dict(
+        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, CU_SEQLENS=cu_seqlens,
+        qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale,
+        T=T, H=H, G=H // H_kv, WINDOW=window,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_kt=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
+        stride_dob=do.stride(0), stride_dot=do.stride(1), stride_doh=do.stride(2),
+        T_BUCKET=triton.next_power_of_2(max_len),
+        HEAD_DIM=D, BLOCK_D=block_d,
+        IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
+        IEEE=q.dtype == torch.float32,
+    )
+    launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, "dkdv", max_len, (n_seq, H_kv),
+           dict(common, DK=dk, DV=dv,
+                stride_dkb=dk.stride(0), stride_dkt=dk.stride(1), stride_dkh=dk.stride(2),
+                stride_dvb=dv.stride(0), stride_dvt=dv.stride(1), stride_dvh=dv.stride(2)),
+           block_d, q.element_size(), q.device)
+    launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, "dq", max_len, (n_seq, H),
+           dict(common, DQ=dq,
+                stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2)),
+           block_d, q.element_size(), q.device)
+    return dq, dk, dv

@@ -1,0 +1,261 @@
+"""Flash-attention forward: Triton kernel and its launch function.
+
+One program computes one block of ``BLOCK_M`` query rows of one (batch or document, query head)
+pair. It streams key/value blocks of ``BLOCK_N`` rows through an online softmax kept in fp32
+(base 2: ``log2(e)`` is folded into the scale and ``exp2`` is used), and writes the output rows and
+their log-sum-exp (natural log, float32) for the backward pass.
+
+The key loop is split into three ranges so only blocks that need a mask pay for it:
+
+1. window-edge blocks (sliding window only; masked),
+2. blocks every query row of the block sees in full (no mask, no bounds checks),
+3. the diagonal / ragged-end blocks (masked: causal, window, sequence end).
+
+GQA: query head ``h`` reads key/value head ``h // G``. Varlen: ``cu_seqlens`` (N+1,) gives
+document boundaries in a packed (1, total_T, H, D) batch; grid axis 1 runs over documents.
+Pointer arithmetic only (no block pointers / tensor descriptors) so Triton 3.6-3.8 all work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import (
+    autotune_enabled,
+    default_config,
+    make_pruner,
+    triton_configs,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """tl.dot with full fp32 precision for fp32 inputs (Triton defaults to tf32)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_rows(ptrs, offs_rows, seqlen, d_mask, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, masking rows past ``seqlen`` and padded head-dim columns."""
+    if CHECK_ROWS:
+        return tl.load(ptrs, mask=(offs_rows[:, None] < seqlen) & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kt, stride_vt,
+    offs_m, offs_d, d_mask,
+    lo, hi, seqlen, qk_scale, window,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n, seqlen,
+                       d_mask, MASKED, EVEN_D)
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
+                       d_mask, MASKED, EVEN_D)
+        s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 logits
+        if MASKED:
+            valid = offs_n[None, :] < seqlen
+            if IS_CAUSAL:
+                valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            if HAS_WINDOW:
+                valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row may see no key of this block yet: keep exp2 away from (-inf) - (-inf).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["T", "WINDOW"])
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS,
+    qk_scale, T, H, G, WINDOW,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    T_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    i_b = tl.program_id(1)
+    i_h = tl.program_id(2)
+    if IS_CAUSAL:  # longest query blocks (most key blocks) first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    i_kvh = i_h // G
+    if IS_VARLEN:  # grid axis 1 runs over documents of the packed (1, total_T) batch
+        bos = tl.load(CU_SEQLENS + i_b).to(tl.int64)
+        seqlen = (tl.load(CU_SEQLENS + i_b + 1).to(tl.int64) - bos).to(tl.int32)
+        q_off = bos * stride_qt
+        k_off = bos * stride_kt
+        v_off = bos * stride_vt
+        o_off = bos * stride_ot
+        lse_off = i_h.to(tl.int64) * T + bos
+    else:
+        seqlen = T
+        q_off = i_b.to(tl.int64) * stride_qb
+        k_off = i_b.to(tl.int64) * stride_kb
+        v_off = i_b.to(tl.int64) * stride_vb
+        o_off = i_b.to(tl.int64) * stride_ob
+        lse_off = (i_b * H + i_h).to(tl.int64) * T
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    q_base = Q + q_off + i_h.to(tl.int64) * stride_qh
+    k_base = K + k_off + i_kvh.to(tl.int64) * stride_kh
+    v_base = V + v_off + i_kvh.to(tl.int64) * stride_vh
+    q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen,
+                   d_mask, True, EVEN_D)
+
+    # Key ranges: [lo, b) window edge (masked), [b, c) full (unmasked), [c, hi) diagonal/ragged.
+    if IS_CAUSAL:
+        hi = tl.minimum(seqlen, start_m + BLOCK_M)
+        full_hi = ((start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seqlen
+        full_hi = (seqlen // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        lo = (tl.maximum(start_m - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        full_lo = 0
+    hi = tl.where(start_m < seqlen, hi, lo)  # programs past a short document do nothing
+    b = tl.minimum(tl.maximum(full_lo, lo), hi)
+    c = tl.minimum(tl.maximum(full_hi, b), hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                                   offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
+                                   True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                               offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
+                               False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
+                               offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
+                               True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural log
+    m_mask = offs_m < seqlen
+    o_ptrs = (O + o_off + i_h.to(tl.int64) * stride_oh
+              + offs_m[:, None] * stride_ot + offs_d[None, :])
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    lse_ptrs = LSE + lse_off + offs_m
+    tl.store(lse_ptrs, lse, mask=m_mask)
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=triton_configs("fwd"),
+    key=["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
+    prune_configs_by={"early_config_prune": make_pruner("fwd")},
+)(_attn_fwd_kernel)
+
+
+def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
+    """(number of sequences on grid axis 1, longest sequence length) of a batch."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1]
+    n = cu_seqlens.numel() - 1
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n > 0 else 0
+    return n, max_len
+
+
+def launch(kernel_jit, kernel_tuned, kind: str, grid_rows: int, grid_yz: tuple[int, int],
+           args: dict, block_d: int, elem_bytes: int, device) -> None:
+    """Launch a kernel autotuned, or with its default config (interpreter / no-autotune).
+
+    Grid axis 0 tiles ``grid_rows`` by the kernel's resident block (``BLOCK_N`` rows of keys for
+    dK/dV, ``BLOCK_M`` rows of queries otherwise); axes 1, 2 are ``grid_yz``.
+    """
+    tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
+    if autotune_enabled():
+        kernel_tuned[lambda meta: (triton.cdiv(grid_rows, meta[tile]), *grid_yz)](**args)
+    else:
+        cfg = default_config(kind, device, block_d, elem_bytes)
+        grid = (triton.cdiv(grid_rows, getattr(cfg, tile)), *grid_yz)
+        kernel_jit[grid](**args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel.
+
+    q: (B, T, H, D); k, v: (B, T, H_kv, D) with last dim contiguous; window 0 means none.
+    Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log.
+    """
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    n_seq, max_len = seq_layout(q, cu_seqlens)
+    if n_seq == 0 or max_len == 0:
+        return o, lse
+    block_d = max(16, triton.next_power_of_2(D))
+    args = dict(
+        Q=q, K=k, V=v, O=o, LSE=lse, CU_SEQLENS=cu_seqlens,
+        qk_scale=softmax_scale * LOG2E, T=T, H=H, G=H // H_kv, WINDOW=window,
+        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_kt=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
+        stride_ob=o.stride(0), stride_ot=o.stride(1), stride_oh=o.stride(2),
+        T_BUCKET=triton.next_power_of_2(max_len),
+        HEAD_DIM=D, BLOCK_D=block_d,
+        IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
+        IEEE=q.dtype == torch.float32,
+    )
+    launch(_attn_fwd_kernel, _attn_fwd_tuned, "fwd", max_len, (n_seq, H), args,
+           block_d, q.element_size(), q.device)
+    return o, lse
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

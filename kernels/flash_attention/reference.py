@@ -1,0 +1,71 @@
+"""Plain PyTorch attention with the same interface as the kernel: the math it must reproduce.
+
+Materialises the (T, T) score matrix, so use it for tests and small shapes only. The tests run it
+in float64 as ground truth, and in the input's own dtype to measure how much error a
+low-precision implementation makes anyway (that sets the kernel's tolerance).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_mask(
+    T: int,
+    causal: bool,
+    window_size: int | None,
+    cu_seqlens: torch.Tensor | None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean (T, T) mask, True where query i may attend key j.
+
+    causal: j <= i; window W: i - W < j <= i; cu_seqlens: i and j in the same document.
+    """
+    i = torch.arange(T, device=device)[:, None]
+    j = torch.arange(T, device=device)[None, :]
+    mask = torch.ones(T, T, dtype=torch.bool, device=device)
+    if causal:
+        mask &= j <= i
+    if window_size is not None:
+        mask &= (i - j) < window_size
+    if cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(T, device=cu_seqlens.device), cu_seqlens[1:].long(),
+                              right=True).to(device)
+        mask &= doc[:, None] == doc[None, :]
+    return mask
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention.
+
+    q: (B, T, H, D); k, v: (B, T, H_kv, D), H % H_kv == 0 (GQA: head h uses kv head h // G).
+    compute_dtype: dtype of the matmuls (None: the inputs' dtype); the softmax runs in at least
+    float32. Returns o: (B, T, H, D) in compute_dtype and lse: (B, H, T) (natural log) in at least
+    float32. Differentiable (autograd through plain ops).
+    """
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    dt = compute_dtype or q.dtype
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    soft_dt = torch.float64 if dt == torch.float64 else torch.float32
+    qh = q.to(dt).transpose(1, 2)  # (B, H, T, D)
+    kh = k.to(dt).transpose(1, 2).repeat_interleave(G, dim=1)
+    vh = v.to(dt).transpose(1, 2).repeat_interleave(G, dim=1)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)).to(soft_dt) * scale  # (B, H, T, T)
+    mask = attention_mask(T, causal, window_size, cu_seqlens, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
+    p = torch.softmax(scores, dim=-1).to(dt)
+    o = torch.matmul(p, vh).transpose(1, 2)  # (B, T, H, D)
+    return o, lse
