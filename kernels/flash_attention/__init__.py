@@ -1,0 +1,9 @@
+"""Causal flash attention in Triton: forward, backward, custom op, reference, configs.
+
+See ``function.flash_attn`` for the public interface and docs/KERNEL.md for design and numbers.
+"""
+
+from .function import flash_attn, flash_attn_bwd, flash_attn_fwd
+from .reference import attention_mask, attention_ref
+
+__all__ = ["flash_attn", "flash_attn_fwd", "flash_attn_bwd", "attention_ref", "attention_mask"]

@@ -1,0 +1,199 @@
+"""Flash attention as ``torch.library`` custom ops, with autograd, and the public function.
+
+``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` are opaque to ``torch.compile``
+(they have fake implementations for tracing), so a model that calls :func:`flash_attn` compiles
+with ``fullgraph=True`` and no graph break; the Triton kernels run eagerly inside them. The same
+ops run under ``TRITON_INTERPRET=1`` on CPU tensors.
+
+Saved for backward: q, k, v, o (B, T, H, D) and lse (B, H, T) float32 -- O(T) memory, no T x T.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backward import attn_bwd
+from .forward import attn_fwd
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_t: int) -> None:
+    """Value checks that need the host (run inside the op, so compile tracing never sees them)."""
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total_t:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the packed length {total_t}; got "
+            f"first={cu[0]}, last={cu[-1]}"
+        )
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
+
+
+@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (B, T, H, D) in q.dtype, lse (B, H, T) float32 natural log; window 0 = none."""
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q.shape[1])
+    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, softmax_scale, causal, window):
+    B, T, H, D = q.shape
+    return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse)
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, softmax_scale, causal, window):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, softmax_scale, causal, window = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.window = window
+    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, ctx.softmax_scale,
+                                ctx.causal, ctx.window)
+    return dq, dk, dv, None, None, None, None
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"flash_attn: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"flash_attn: {name} must be 4-D (B, T, H, D), got shape {tuple(t.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"flash_attn: dtype {q.dtype} not supported; use one of {_DTYPES}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"flash_attn: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"flash_attn: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    import os
+
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"flash_attn: tensors must be on a CUDA device (got {q.device}); on CPU set "
+            "TRITON_INTERPRET=1 (slow, for tests)")
+    B, T, H, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attn: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(
+            f"flash_attn: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in "
+            "(B, T, ., D)")
+    H_kv = k.shape[2]
+    if H_kv == 0 or H % H_kv != 0:
+        raise ValueError(f"flash_attn: query heads ({H}) must be a multiple of kv heads ({H_kv})")
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"flash_attn: head dim {D} out of range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale)):
+        raise ValueError(f"flash_attn: softmax_scale must be a finite float, got {softmax_scale!r}")
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"flash_attn: window_size must be None or an int >= 1, got "
+                             f"{window_size!r}")
+        if not causal:
+            raise ValueError("flash_attn: window_size (sliding-window attention) needs causal=True")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 2:
+            raise ValueError("flash_attn: cu_seqlens must be a 1-D tensor (N+1,) of cumulative "
+                             "document lengths")
+        if cu_seqlens.dtype != torch.int32:
+            raise ValueError(f"flash_attn: cu_seqlens must be int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"flash_attn: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+        if B != 1:
+            raise ValueError(
+                f"flash_attn: with cu_seqlens pack the documents into batch 1 "
+                f"(q: (1, total_T, H, D)); got B={B}")
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """Flash attention (Triton), differentiable in q, k, v.
+
+    Args:
+        q: (B, T, H, D) float16 / bfloat16 / float32, 16 <= D <= 256 (any D; padded inside).
+        k, v: (B, T, H_kv, D), same dtype and device; H % H_kv == 0 (GQA: query head h uses
+            kv head h // (H / H_kv); no repeat_interleave).
+        causal: query i sees keys j <= i; False gives full (bidirectional) attention.
+        softmax_scale: defaults to 1 / sqrt(D).
+        window_size: None or W >= 1 (needs causal): query i sees keys i - W < j <= i.
+        cu_seqlens: None or int32 (N+1,) cumulative document lengths of a packed batch
+            (B must be 1, cu_seqlens[-1] == T); attention never crosses a document boundary.
+        return_lse: also return the log-sum-exp of each row's scaled scores.
+
+    Returns:
+        o: (B, T, H, D), q's dtype (contiguous); and, if return_lse, lse: (B, H, T) float32 in
+        natural-log units (differentiable too).
+
+    T and H strides may be arbitrary; a non-contiguous last dim is copied. Runs on CUDA, or on CPU
+    under TRITON_INTERPRET=1. Raises ValueError on invalid inputs.
+    """
+    _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o, lse = flash_attn_fwd(q, k, v, cu_seqlens, float(softmax_scale), bool(causal),
+                            int(window_size or 0))
+    return (o, lse) if return_lse else o
