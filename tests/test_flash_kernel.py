@@ -1,0 +1,377 @@
+"""Tests of the Triton flash-attention kernel (kernels/flash_attention) against reference.py.
+
+Ground truth is the float64 reference. The tolerance comes from a reference run in the inputs'
+own precision (FlashAttention's method): the kernel's max error must be at most ``FWD_FACTOR`` (o,
+lse) or ``BWD_FACTOR`` (dq, dk, dv) times that reference's max error, plus a small atol.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
+Triton is imported) on a small fp32/fp16 subset (bf16 ``tl.dot`` is wrong in the interpreter).
+The full matrix (``CUDA_CASES``) runs only on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import flash_attn, flash_attn_available  # noqa: E402
+from kernels.flash_attention import configs, forward  # noqa: E402
+from kernels.flash_attention.reference import attention_ref  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+FWD_FACTOR, BWD_FACTOR = 2.0, 3.0
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+DT_NAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+if not CUDA and type(forward._attn_fwd_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "kernels were imported before TRITON_INTERPRET=1 was set (no CUDA here); run this module "
+        "on its own or export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune_by_default(monkeypatch):
+    """Launch each kernel's first fitting config (bounded compile time); tests of the tuned path
+    set NANOFLASH_AUTOTUNE=1 themselves."""
+    if "NANOFLASH_AUTOTUNE" not in os.environ:
+        monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    HKV: int
+    D: int
+    dtype: torch.dtype
+    causal: bool = True
+    window: int | None = None
+    cu: tuple[int, ...] | None = None  # cumulative document lengths (varlen); needs B == 1
+    strided: bool = False  # q, k, v are slices of one packed (B, T, H + 2 HKV, D) buffer
+    scale: float | None = None
+
+    @property
+    def id(self) -> str:
+        s = f"B{self.B}-T{self.T}-H{self.H}-HKV{self.HKV}-D{self.D}-{DT_NAME[self.dtype]}"
+        if not self.causal:
+            s += "-full"
+        if self.window is not None:
+            s += f"-W{self.window}"
+        if self.cu is not None:
+            s += f"-varlen{len(self.cu) - 1}"
+        if self.strided:
+            s += "-strided"
+        if self.scale is not None:
+            s += f"-scale{self.scale}"
+        return s
+
+
+def make_inputs(c: Case, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if c.strided:
+        buf = torch.randn(c.B, c.T, c.H + 2 * c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
+        q, k, v = buf.split([c.H, c.HKV, c.HKV], dim=2)
+    else:
+        q = torch.randn(c.B, c.T, c.H, c.D, generator=g).to(DEVICE, c.dtype)
+        k = torch.randn(c.B, c.T, c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
+        v = torch.randn(c.B, c.T, c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
+    do = torch.randn(c.B, c.T, c.H, c.D, generator=g).to(DEVICE, c.dtype)
+    cu = None if c.cu is None else torch.tensor(c.cu, dtype=torch.int32, device=DEVICE)
+    return q, k, v, do, cu
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def check_case(c: Case, seed: int = 0) -> None:
+    q, k, v, do, cu = make_inputs(c, seed)
+    kw = dict(causal=c.causal, softmax_scale=c.scale, window_size=c.window, cu_seqlens=cu)
+
+    q1, k1, v1 = (t.detach().requires_grad_() for t in (q, k, v))
+    if c.strided:
+        assert not q1.is_contiguous()
+    o, lse = flash_attn(q1, k1, v1, return_lse=True, **kw)
+    assert o.dtype == c.dtype and o.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (c.B, c.H, c.T)
+    grads = torch.autograd.grad(o, (q1, k1, v1), do)
+
+    def ref(dtype):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o_r, lse_r = attention_ref(qr, kr, vr, compute_dtype=dtype, **kw)
+        g_r = torch.autograd.grad(o_r, (qr, kr, vr), do.to(o_r.dtype))
+        return o_r, lse_r, g_r
+
+    o64, lse64, g64 = ref(torch.float64)
+    olp, lselp, glp = ref(None)  # the inputs' own precision
+
+    failures = []
+    for name, out, truth, lowp, factor in (
+        ("o", o, o64, olp, FWD_FACTOR),
+        ("lse", lse, lse64, lselp, FWD_FACTOR),
+        ("dq", grads[0], g64[0], glp[0], BWD_FACTOR),
+        ("dk", grads[1], g64[1], glp[1], BWD_FACTOR),
+        ("dv", grads[2], g64[2], glp[2], BWD_FACTOR),
+    ):
+        assert out.shape == truth.shape, name
+        if not torch.isfinite(out).all():
+            failures.append(f"{name}: non-finite values")
+            continue
+        err, base = max_err(out, truth), max_err(lowp, truth)
+        bound = factor * base + ATOL[c.dtype]
+        if err > bound:
+            failures.append(f"{name}: max err {err:.3e} > {factor} x {base:.3e} + {ATOL[c.dtype]}")
+    assert not failures, f"{c.id}: " + "; ".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (interpreter) subset: fp32 / fp16, T <= 200. Also runs on CUDA.
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DOCS = (0, 5, 70, 71, 150, 200)  # includes a 1-token document and ragged lengths
+CPU_CASES = [
+    Case(1, 1, 2, 1, 32, F32),
+    Case(2, 17, 4, 2, 16, F32),
+    Case(1, 64, 2, 2, 64, F16),
+    Case(1, 127, 4, 1, 80, F32),
+    Case(1, 128, 2, 1, 96, F16),
+    Case(1, 200, 2, 2, 128, F32),
+    Case(1, 100, 2, 1, 256, F16),
+    Case(2, 65, 2, 1, 64, F16, causal=False),
+    Case(1, 200, 2, 1, 32, F32, window=37),
+    Case(1, 130, 2, 2, 32, F16, window=1),
+    Case(1, 90, 2, 1, 32, F32, window=500),
+    Case(1, 200, 4, 2, 32, F32, cu=DOCS),
+    Case(1, 200, 2, 1, 32, F16, cu=DOCS, window=20),
+    Case(1, 200, 2, 2, 32, F32, cu=DOCS, causal=False),
+    Case(2, 100, 4, 2, 32, F16, strided=True),
+    Case(1, 77, 2, 1, 48, F32, scale=0.3),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CPU_CASES])
+def test_flash_matches_reference(case):
+    check_case(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Full matrix: CUDA only.
+def _cuda_cases() -> list[Case]:
+    cases = []
+    for T in (1, 17, 64, 127, 128, 200, 1000):  # every T x D, both 16-bit dtypes
+        for D in (16, 32, 64, 80, 96, 128, 256):
+            for dt in (F16, BF16):
+                cases.append(Case(2, T, 4, 2, D, dt))
+    for H, HKV in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 4)):
+        for T in (128, 1000):
+            cases.append(Case(2, T, H, HKV, 64, BF16))
+    for T in (17, 200, 1000):
+        for D in (32, 80, 128):
+            cases.append(Case(1, T, 4, 2, D, F32))
+    for W in (1, 16, 100, 4096):
+        for T in (200, 1000):
+            for D, dt in ((64, BF16), (128, F16)):
+                cases.append(Case(2, T, 4, 2, D, dt, window=W))
+    docs = [(0, 1000), (0, 1, 2, 500, 1000), (0, 300, 301, 999, 1000), (0, 17, 145, 600, 1000)]
+    for cu in docs:
+        for D, dt in ((64, BF16), (128, F16), (96, BF16)):
+            cases.append(Case(1, 1000, 4, 2, D, dt, cu=cu))
+        cases.append(Case(1, 1000, 4, 1, 64, BF16, cu=cu, window=64))
+        cases.append(Case(1, 1000, 4, 2, 64, F16, cu=cu, causal=False))
+    for T in (1, 17, 200, 1000):
+        for D in (64, 96):
+            cases.append(Case(2, T, 4, 2, D, BF16, causal=False))
+    for T in (127, 1000):
+        for D in (64, 80, 128):
+            cases.append(Case(2, T, 4, 2, D, BF16, strided=True))
+    return cases
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _cuda_cases()])
+def test_flash_matches_reference_cuda(case):
+    check_case(case)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [1000, 2048])
+def test_autotuned_path_cuda(monkeypatch, T, D):
+    """The autotuned launch (what training and the benchmark use) is correct too."""
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    check_case(Case(2, T, 8, 2, D, BF16))
+
+
+@gpu
+@pytest.mark.gpu
+def test_transposed_layout_cuda():
+    """(B, H, T, D) tensors viewed as (B, T, H, D): arbitrary T/H strides, no copy."""
+    q, k, v = (torch.randn(2, 4, 300, 64, device=DEVICE, dtype=BF16).transpose(1, 2)
+               for _ in range(3))
+    o = flash_attn(q, k, v)
+    o_ref, _ = attention_ref(q, k, v)
+    o_lp, _ = attention_ref(q, k, v, compute_dtype=None)
+    assert max_err(o, o_ref) <= FWD_FACTOR * max_err(o_lp, o_ref) + ATOL[BF16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour beyond numerics.
+def _small(dtype=F32, T=40, H=4, HKV=2, D=32, requires_grad=False):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    mk = lambda h: torch.randn(1, T, h, D, generator=g).to(DEVICE, dtype).requires_grad_(
+        requires_grad)
+    return mk(H), mk(HKV), mk(HKV)
+
+
+def test_available_reports_reason():
+    ok, why = flash_attn_available()
+    assert ok is True and isinstance(why, str) and why
+    assert kernels.flash_attn is flash_attn
+
+
+def test_backward_is_deterministic():
+    q, k, v = _small(requires_grad=True)
+    do = torch.randn_like(q)
+    runs = [torch.autograd.grad(flash_attn(q, k, v), (q, k, v), do) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_gradients_flow_through_a_tiny_layer():
+    """fp32 end-to-end: x -> qkv projection -> flash_attn -> projection -> loss; every parameter
+    gets a finite non-zero gradient equal to the reference path's."""
+    torch.manual_seed(0)
+    C, H, HKV, D, T = 64, 4, 2, 16, 24
+    x = torch.randn(2, T, C, device=DEVICE)
+    w_qkv = torch.nn.Parameter(torch.randn(C, (H + 2 * HKV) * D, device=DEVICE) * C ** -0.5)
+    w_o = torch.nn.Parameter(torch.randn(H * D, C, device=DEVICE) * (H * D) ** -0.5)
+
+    def loss_fn(attn):
+        q, k, v = (x @ w_qkv).view(2, T, H + 2 * HKV, D).split([H, HKV, HKV], dim=2)
+        y = attn(q, k, v).reshape(2, T, H * D) @ w_o
+        return y.square().mean()
+
+    loss = loss_fn(flash_attn)
+    g = torch.autograd.grad(loss, (w_qkv, w_o))
+    loss_ref = loss_fn(lambda q, k, v: attention_ref(q, k, v, compute_dtype=F32)[0])
+    g_ref = torch.autograd.grad(loss_ref, (w_qkv, w_o))
+    assert torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        assert torch.isfinite(a).all() and a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lse_gradient():
+    """lse is differentiable: d(sum lse)/dq matches the reference."""
+    q, k, v = _small(requires_grad=True)
+    _, lse = flash_attn(q, k, v, return_lse=True)
+    gq = torch.autograd.grad(lse.sum(), q)[0]
+    qr = q.detach().double().requires_grad_()
+    _, lse_r = attention_ref(qr, k.detach().double(), v.detach().double())
+    gq_r = torch.autograd.grad(lse_r.sum(), qr)[0]
+    assert max_err(gq, gq_r) < 1e-5
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    q, k, v = _small(requires_grad=True)
+
+    def f(q, k, v):
+        return flash_attn(q * 2.0, k, v, window_size=16).float().square().sum()
+
+    explain = torch._dynamo.explain(f)(q, k, v)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    backend = "inductor" if CUDA else "aot_eager"  # inductor on CPU would spend ~20 s in g++
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    out = cf(q, k, v)
+    g = torch.autograd.grad(out, (q, k, v))
+    out_e = f(q, k, v)
+    g_e = torch.autograd.grad(out_e, (q, k, v))
+    torch.testing.assert_close(out, out_e)
+    for a, b in zip(g, g_e):
+        torch.testing.assert_close(a, b)
+
+
+def _bad_inputs():
+    q = torch.randn(1, 8, 4, 32, device=DEVICE)
+    k = torch.randn(1, 8, 2, 32, device=DEVICE)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
+    yield "3-D", (q[0], k, k), {}, "must be 4-D"
+    yield "int dtype", (q.long(), k.long(), k.long()), {}, "not supported"
+    yield "mixed dtype", (q, k.half(), k), {}, "share a dtype"
+    yield "heads", (q, torch.randn(1, 8, 3, 32, device=DEVICE),
+                    torch.randn(1, 8, 3, 32, device=DEVICE)), {}, "multiple of kv heads"
+    yield "kv shape", (q, k, k[:, :, :1]), {}, "shapes differ"
+    yield "T mismatch", (q, k[:, :4], k[:, :4]), {}, "does not match"
+    yield "D small", (q[..., :8], k[..., :8], k[..., :8]), {}, "head dim 8 out of range"
+    yield "D big", (torch.randn(1, 2, 1, 320, device=DEVICE),) * 3, {}, "out of range"
+    yield "window 0", (q, k, k), {"window_size": 0}, "window_size must be"
+    yield "window noncausal", (q, k, k), {"window_size": 4, "causal": False}, "causal=True"
+    yield "cu dtype", (q, k, k), {"cu_seqlens": cu.long()}, "int32"
+    yield "cu batch", (q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                       k.expand(2, -1, -1, -1)), {"cu_seqlens": cu}, "batch 1"
+    yield "cu end", (q, k, k), {"cu_seqlens": cu[:2]}, "end at the packed length"
+    yield "cu order", (q, k, k), {"cu_seqlens": torch.tensor([0, 5, 3, 8], dtype=torch.int32,
+                                                            device=DEVICE)}, "non-decreasing"
+    if CUDA:
+        yield "device", (q.cpu(), k.cpu(), k.cpu()), {}, "CUDA device"
+
+
+@pytest.mark.parametrize("args,kwargs,match",
+                         [pytest.param(a, kw, m, id=name) for name, a, kw, m in _bad_inputs()])
+def test_input_validation(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Consumer-card (low shared memory) path.
+@pytest.mark.parametrize("budget", [configs.SMEM_CONSUMER, configs.SMEM_TURING],
+                         ids=["100KB", "64KB"])
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_configs_fit_small_shared_memory(kind, budget):
+    """Every config selected for a small card fits its shared memory, for every head dim."""
+    for family in ("hopper", "ampere", "consumer"):
+        for D in (16, 32, 64, 80, 96, 128, 256):
+            block_d = max(16, 1 << (D - 1).bit_length())
+            for elem in (2, 4):
+                if budget == configs.SMEM_TURING and elem == 4 and D > 128:
+                    continue  # fp32 at D=256 on a 64 KB card is out of scope
+                cands = configs.candidate_configs(kind, family)
+                kept = configs.filter_configs(kind, cands, budget, block_d, elem)
+                assert kept, (kind, family, D, elem)
+                for cfg in kept:
+                    used = configs.smem_estimate(kind, cfg, block_d, elem)
+                    assert used <= budget, (kind, family, D, elem, cfg, used)
+                # Dropping configs that do not fit must leave the card a real choice.
+                big = [c for c in cands
+                       if configs.smem_estimate(kind, c, block_d, elem) > budget]
+                assert not set(big) & set(kept)
+
+
+def test_consumer_default_config_runs(monkeypatch):
+    """Launch with the consumer card's default configs (as on a ~100 KB RTX card) and check
+    numerics: the low-shared-memory path is exercised on whatever machine runs the suite."""
+    D = 128
+    chosen = {kind: configs.filter_configs(kind, configs.candidate_configs(kind, "consumer"),
+                                           configs.SMEM_CONSUMER, D, 2)[0]
+              for kind in ("fwd", "dkdv", "dq")}
+    monkeypatch.setattr(forward, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(forward, "default_config", lambda kind, *a: chosen[kind])
+    check_case(Case(1, 70, 2, 1, D, F16))
