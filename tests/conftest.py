@@ -1,0 +1,43 @@
+"""Shared fixtures: a token cache prepared once per session, and tiny training configs."""
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from data.config import DataConfig
+from model.config import AttentionConfig, ModelConfig
+from training.config import LoggerConfig, OptimConfig, TrainConfig, TrainerConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """A cache folder shared by the tests that train on Tiny Shakespeare."""
+    return str(tmp_path_factory.mktemp("token-cache"))
+
+
+def tiny_config(cache_dir: str, **trainer) -> TrainConfig:
+    """A model small enough to take a few steps per second on 2 CPU cores, char-level data."""
+    t = dict(device="cpu", dtype="fp32", max_steps=20, batch_size=4, eval_interval=10, eval_iters=2,
+             log_interval=5, ckpt_interval=10, keep_checkpoints=5, sample_tokens=0, run_name="test")
+    t.update(trainer)
+    return TrainConfig(
+        model=ModelConfig(name="test", n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.1),
+        attention=AttentionConfig(name="sdpa"),
+        data=DataConfig(name="shakespeare_char", tokenizer="char", cache_dir=cache_dir),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5),
+        trainer=TrainerConfig(**t),
+        logger=LoggerConfig(progress=False),
+    )
+
+
+def run_env() -> dict:
+    """Environment for `python train.py` subprocesses: the repo importable, no GPU, no wandb calls."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+__all__ = ["tiny_config", "run_env", "REPO", "dataclasses"]

@@ -1,0 +1,43 @@
+"""Each user mistake gets one clear line naming the option, a non-zero exit, and no traceback."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_env
+
+QUICK = ["model=tiny", "data=shakespeare_char", "trainer.max_steps=2", "trainer.sample_tokens=0", "logger.progress=false"]
+
+CASES = [
+    pytest.param(["attention=flsh"], "choose one of: flash, hybrid, naive, sdpa", id="unknown-backend"),
+    pytest.param(["model=gpt3"], "choose one of: gpt2, gpt2-medium, small, tiny", id="unknown-model"),
+    pytest.param(["model.n_layr=4"], "valid keys: activation_checkpointing", id="misspelt-model-key"),
+    pytest.param(["trainer.bach_size=4"], "trainer has no key 'bach_size'", id="misspelt-trainer-key"),
+    pytest.param(["lr=1e-3"], "the top level has no key 'lr'", id="unknown-top-level-key"),
+    pytest.param(["model.n_embd=100", "model.n_head=3"], "model.n_embd=100 is not divisible by model.n_head=3", id="embd-not-divisible"),
+    pytest.param(["model.n_kv_head=3"], "not a multiple of model.n_kv_head=3", id="kv-heads"),
+    pytest.param(["trainer.device=cuda"], "trainer.device=cuda but PyTorch sees no CUDA GPU", id="cuda-without-gpu"),
+    pytest.param(["trainer.dtype=fp16", "trainer.device=cpu"], "trainer.dtype=fp16 needs a CUDA GPU", id="fp16-on-cpu"),
+    pytest.param(["trainer.dtype=fp8"], "trainer.dtype='fp8' is not one of auto, bf16, fp16, fp32", id="bad-dtype"),
+    pytest.param(["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive number", id="zero-batch"),
+    pytest.param(["model.block_size=-1"], "model.block_size=-1 must be a positive integer", id="negative-block"),
+    pytest.param(["optim.schedule=linear"], "optim.schedule='linear' is not one of cosine, wsd, constant", id="bad-schedule"),
+    pytest.param(["attention=flash", "attention.strict=true"], "attention=flash cannot run", id="flash-strict-on-cpu"),
+    pytest.param(["trainer.resume=/nonexistent/ckpt.pt"], "no such checkpoint file", id="missing-checkpoint"),
+]
+
+
+def run_train(args, tmp_path):
+    cmd = [sys.executable, "train.py", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
+           f"data.cache_dir={tmp_path / 'cache'}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,message", CASES)
+def test_wrong_option_fails_with_one_clear_line(tmp_path, args, message):
+    proc = run_train(args, tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr

@@ -1,0 +1,27 @@
+"""Train a GPT: `python train.py [group=choice ...] [key=value ...]`.
+
+Examples: `python train.py attention=flash`, `python train.py -m attention=naive,hybrid,sdpa,flash`,
+`python train.py experiment=gpt2 data=hf data.path=roneneldan/TinyStories`. See README.md.
+"""
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from training.cli import check_overrides, config_from_hydra, exit_on_user_error, machine_defaults
+from training.config import register_configs
+from training.loop import train
+
+register_configs()
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        train(*config_from_hydra(cfg))
+
+
+if __name__ == "__main__":
+    check_overrides(sys.argv[1:])
+    sys.argv += machine_defaults(sys.argv[1:])
+    main()

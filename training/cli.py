@@ -1,0 +1,126 @@
+"""The command line around Hydra: early checks of overrides, machine-aware defaults, clean errors.
+
+Hydra composes the config; these helpers run before it (so a misspelt option fails with the list
+of valid ones) and around the task (so a UserError prints one line and exits with status 2).
+"""
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from training.config import TrainConfig, validate
+from training.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("model", "attention", "data", "optim", "trainer", "logger", "experiment")
+
+
+def group_choices(group: str) -> List[str]:
+    """Names of the YAML files in configs/<group>/ (leading underscores are private)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_overrides(args: List[str]) -> None:
+    """Reject unknown keys and unknown group choices before Hydra runs, listing what is valid."""
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as err:  # Hydra's grammar errors say where the override is malformed
+        fail(f"cannot parse the overrides: {err}")
+    for override in parsed:
+        key = override.key_or_group
+        if key.startswith("hydra") or override.is_delete():
+            continue
+        if "." not in key and key in GROUPS:
+            _check_choice(key, override)
+        else:
+            _check_key(key)
+
+
+def _check_choice(group: str, override) -> None:
+    values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+    choices = group_choices(group)
+    for value in values:
+        if value is not None and str(value) not in choices:
+            fail(f"{group}={value} is not a config; choose one of: {', '.join(choices)}")
+
+
+def _check_key(key: str) -> None:
+    node, path = TrainConfig, []
+    for part in key.split("."):
+        if not (dataclasses.is_dataclass(node)):
+            return  # inside a list or dict value; OmegaConf checks the rest
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            where = ".".join(path) or "the top level"
+            valid = sorted(fields) + (["experiment"] if not path else [])
+            fail(f"unknown option {key!r}: {where} has no key {part!r}; valid keys: {', '.join(valid)}")
+        path.append(part)
+        node = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING else None
+
+
+def machine_defaults(args: List[str]) -> List[str]:
+    """Extra overrides for a machine without a GPU, when the user left the model to us.
+
+    The default model needs a GPU to train in minutes; with no GPU (or trainer.device=cpu) and no
+    model, experiment or step count chosen, `python train.py` trains model=tiny for
+    trainer.cpu_max_steps steps instead, and says so.
+    """
+    keys = [a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")]
+    chosen_model = any(k == "model" or k.startswith("model.") or k == "experiment" for k in keys)
+    wants_cpu = "trainer.device=cpu" in args or (not torch.cuda.is_available() and "trainer.device=cuda" not in args)
+    if chosen_model or not wants_cpu:
+        return []
+    extra = ["model=tiny"]
+    if "trainer.max_steps" not in keys:
+        extra.append("trainer.max_steps=${trainer.cpu_max_steps}")
+    print("No GPU in use: training model=tiny instead of the default model=small "
+          "(pass model=small to insist).", file=sys.stderr)
+    return extra
+
+
+def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
+    """The typed, validated config of this job and its run folder (where the resolved config is saved)."""
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise UserError(f"the config does not resolve: {err}") from err
+    validate(typed)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed), resolve=True))
+    return typed, run_dir
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    """Turn a UserError into one line on stderr and exit status 2; out-of-memory gets advice."""
+    try:
+        yield
+    except UserError as err:
+        fail(str(err))
+    except torch.OutOfMemoryError as err:
+        fail(out_of_memory_advice(err))
+
+
+def out_of_memory_advice(err: BaseException) -> str:
+    peak = ""
+    if torch.cuda.is_available():
+        peak = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated)"
+    return (
+        f"the GPU ran out of memory{peak}. Try a smaller trainer.batch_size with a larger trainer.grad_accum "
+        "(same tokens per step), attention=flash or attention=hybrid instead of naive, "
+        "model.activation_checkpointing=true, or a shorter model.block_size. Checkpoints written so far are kept."
+    )

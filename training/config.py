@@ -1,0 +1,119 @@
+"""The typed schema of a run and its registration with Hydra.
+
+Every YAML file under configs/ is merged onto these dataclasses, so a misspelt key or a value of the
+wrong type fails when the config is composed. ``validate`` checks the values that types cannot
+(choices, ranges, combinations) and raises UserError naming the option.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from data.config import DataConfig
+from model.config import AttentionConfig, ModelConfig, validate_attention, validate_model
+from training.errors import UserError
+
+SCHEDULES = ("cosine", "wsd", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+LOGGERS = ("default", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings decay-free
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
+    decay_fraction: float = 0.2  # wsd: share of the steps spent decaying to min_lr
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
+    compile: bool = False
+    max_steps: int = 2000
+    cpu_max_steps: int = 300  # steps when `python train.py` falls back to model=tiny on a CPU-only machine
+    batch_size: int = 32  # sequences per micro-batch
+    grad_accum: int = 1
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    ckpt_interval: int = 500
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto | none | <path to a checkpoint file>
+    seed: int = 1337
+    peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
+    max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
+    sample_tokens: int = 200  # tokens of text generated at the end (0: none)
+    run_name: str = "${model.name}-${attention.name}-${data.name}"
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "default"  # default (progress bar + metrics.jsonl) | wandb (adds Weights & Biases)
+    progress: bool = True
+    project: str = "nanoflash"
+    mode: str = "online"  # wandb: online | offline | disabled
+    entity: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Make the schema known to Hydra as `train_schema` (the first entry of configs/train.yaml)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _choice(option: str, value: str, choices) -> None:
+    if value not in choices:
+        raise UserError(f"{option}={value!r} is not one of {', '.join(choices)}")
+
+
+def _positive(option: str, value, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{option}={value} must be {'>= 0' if allow_zero else 'a positive number'}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every value the type system cannot; raise UserError naming the option and the fix."""
+    from data.config import validate as validate_data
+
+    validate_model(cfg.model)
+    validate_attention(cfg.attention)
+    validate_data(cfg.data)
+    o, t = cfg.optim, cfg.trainer
+    _choice("optim.schedule", o.schedule, SCHEDULES)
+    _positive("optim.lr", o.lr)
+    _positive("optim.min_lr", o.min_lr, allow_zero=True)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise UserError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
+    if not 0.0 < o.decay_fraction <= 1.0:
+        raise UserError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+    _choice("trainer.device", t.device, DEVICES)
+    _choice("trainer.dtype", t.dtype, DTYPES)
+    for key in ("max_steps", "cpu_max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+                "log_interval", "ckpt_interval", "keep_checkpoints", "max_bad_steps"):
+        _positive(f"trainer.{key}", getattr(t, key))
+    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("trainer.sample_tokens", t.sample_tokens, allow_zero=True)
+    if t.peak_tflops is not None:
+        _positive("trainer.peak_tflops", t.peak_tflops)
+    _choice("logger", cfg.logger.name, LOGGERS)
+    _choice("logger.mode", cfg.logger.mode, WANDB_MODES)

@@ -1,0 +1,92 @@
+"""Where metrics go: a progress bar with ETA, <run dir>/metrics.jsonl, and optionally wandb.
+
+One record per log step: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+"peak_vram_mb", "elapsed_s"}; eval records carry "val_loss". wandb is imported only when
+``logger=wandb``.
+"""
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from training.config import LoggerConfig
+from training.errors import UserError
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records logged after ``last_step`` (work lost since the checkpoint a run resumes from)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _clean(value):
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggerConfig,
+        max_steps: int,
+        start_step: int,
+        run_name: str,
+        config: dict,
+        wandb_id: Optional[str] = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        truncate_metrics(self.path, start_step)
+        self.file = open(self.path, "a")
+        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not cfg.progress)
+        self.wandb_run = _start_wandb(cfg, run_dir, run_name, config, wandb_id) if cfg.name == "wandb" else None
+
+    @property
+    def wandb_id(self) -> Optional[str]:
+        return None if self.wandb_run is None else self.wandb_run.id
+
+    def advance(self, steps: int = 1) -> None:
+        self.bar.update(steps)
+
+    def log(self, record: dict) -> None:
+        record = {k: _clean(v) for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu") if record.get(k) is not None}
+        self.bar.set_postfix({k: f"{v:.4g}" if k != "tokens_per_s" else f"{v:,.0f}" for k, v in shown.items()}, refresh=False)
+        if "val_loss" in record:
+            self.message(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def message(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict, wandb_id: Optional[str]):
+    try:
+        import wandb
+    except ImportError as err:
+        raise UserError("logger=wandb needs the wandb package: `pip install wandb`, or use logger=default") from err
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        name=run_name,
+        id=wandb_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=config,
+        mode=cfg.mode,
+    )

@@ -1,0 +1,242 @@
+"""The training loop: set up, then for each step forward/backward/step, log, evaluate, checkpoint.
+
+``train(cfg, run_dir)`` is everything `python train.py` does after the config is composed.
+"""
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from data.loader import BatchLoader
+from data.prepare import prepare
+from data.tokenizers import load_tokenizer
+from model import GPT, ModelConfig
+from model.attention import build_attention
+from model.config import padded_vocab
+from training.checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+)
+from training.config import TrainConfig, TrainerConfig
+from training.errors import UserError
+from training.loggers import MetricsLogger
+from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
+from training.optim import build_optimizer, lr_at, set_lr
+from training.precision import autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
+
+# Model options a checkpoint must share with the run that resumes it.
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "mlp")
+
+
+class TrainingStopped(UserError):
+    """The run cannot go on (non-finite loss for too many steps); the last good checkpoint is kept."""
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> dict:
+    """Train the model ``cfg`` describes; write metrics and checkpoints under ``run_dir``.
+
+    Returns a summary: {"step", "loss", "val_loss", "backend", "elapsed_s", "sample"}.
+    """
+    t = cfg.trainer
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(t.device)
+    dtype = resolve_dtype(t.dtype, device)
+    torch.manual_seed(t.seed)
+
+    data = prepare(cfg.data)
+    tokenizer = load_tokenizer(data.manifest)
+    model_cfg = resolve_vocab(cfg.model, data.vocab_size)
+    attend, backend = build_attention(cfg.attention, device)
+    model = GPT(model_cfg, attend).to(device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scaler = make_grad_scaler(device, dtype)
+    loader_args = dict(block_size=model_cfg.block_size, batch_size=t.batch_size, device=device,
+                       eot_id=data.eot_id, document_mask=cfg.data.document_mask)
+    train_loader = BatchLoader(data.train_path, data.dtype, seed=t.seed, **loader_args)
+    val_loader = BatchLoader(data.val_path, data.dtype, seed=t.seed + 1, **loader_args)
+
+    start_step, wandb_id = restore(t, run_dir, model_cfg, model, optimizer, scaler, train_loader, device)
+    if start_step >= t.max_steps:
+        print(f"{run_dir} holds a finished run (step {start_step} of {t.max_steps}): extend it with "
+              f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
+        return {"step": start_step, "loss": None, "val_loss": None, "backend": backend, "elapsed_s": 0.0, "sample": ""}
+
+    config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    logger = MetricsLogger(run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config_dict, wandb_id)
+    n_params = model.num_params()
+    tokens_per_step = t.batch_size * t.grad_accum * model_cfg.block_size
+    meter = ThroughputMeter(device, flops_per_token(model_cfg, n_params, model_cfg.block_size),
+                            peak_tflops(device, t.peak_tflops))
+    logger.message(
+        f"{n_params / 1e6:.2f}M parameters | attention={backend} | {device.type} {dtype_name(dtype)} | "
+        f"{tokens_per_step:,} tokens/step | run dir {run_dir}"
+        + (f" | resumed at step {start_step}" if start_step else "")
+    )
+    step_model = torch.compile(model) if t.compile else model
+
+    started = time.perf_counter()
+    bad_streak, loss, val_loss = 0, float("nan"), None
+    for step in range(start_step + 1, t.max_steps + 1):
+        set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
+        loss, grad_norm = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
+        meter.tick(tokens_per_step)
+        logger.advance()
+
+        bad_streak = 0 if math.isfinite(loss) else bad_streak + 1
+        if bad_streak >= t.max_bad_steps:
+            newest = list_checkpoints(run_dir)
+            raise TrainingStopped(
+                f"loss was not finite for {bad_streak} steps in a row (last at step {step}); the last good "
+                f"checkpoint is {newest[-1] if newest else 'none'}. Lower optim.lr, raise optim.warmup_steps, "
+                f"keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 (trainer.max_bad_steps sets the limit)"
+            )
+        if step % t.log_interval == 0 or step == t.max_steps:
+            record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+            record.update(meter.report())
+            record["elapsed_s"] = time.perf_counter() - started
+            logger.log(record)
+        if step % t.eval_interval == 0 or step == t.max_steps:
+            paused = time.perf_counter()
+            val_loss = evaluate(step_model, val_loader, t.eval_iters, device, dtype)
+            logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
+            meter.exclude(time.perf_counter() - paused)
+        if (step % t.ckpt_interval == 0 or step == t.max_steps) and bad_streak == 0:
+            paused = time.perf_counter()
+            state = checkpoint_state(step, model, optimizer, scaler, train_loader, config_dict, logger.wandb_id, device)
+            save_checkpoint(run_dir, step, state, t.keep_checkpoints)
+            meter.exclude(time.perf_counter() - paused)
+    elapsed = time.perf_counter() - started
+    logger.close()
+
+    sample = generate_sample(model, tokenizer, t.sample_tokens, device, dtype, t.seed)
+    if sample:
+        (run_dir / "sample.txt").write_text(sample)
+        print(f"--- sample after {t.max_steps} steps ---\n{sample}\n---")
+    return {"step": t.max_steps, "loss": loss, "val_loss": val_loss, "backend": backend, "elapsed_s": elapsed, "sample": sample}
+
+
+def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
+    """Fill model.vocab_size from the tokenizer (padded to a multiple of 64), or check the one given."""
+    if cfg.vocab_size is None:
+        return dataclasses.replace(cfg, vocab_size=padded_vocab(tokenizer_vocab))
+    if cfg.vocab_size < tokenizer_vocab:
+        raise UserError(
+            f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} tokens; "
+            "set model.vocab_size=null to take it from the tokenizer"
+        )
+    return cfg
+
+
+def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, device, dtype):
+    """One optimizer step over ``grad_accum`` micro-batches. Returns (mean loss, grad norm) as floats.
+
+    A step whose loss or gradient is not finite updates nothing (fp16: the grad scaler skips it and
+    lowers its scale; otherwise the step is dropped here).
+    """
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(t.grad_accum):
+        x, y, doc_ids = loader.next_batch()
+        with autocast(device, dtype):
+            _, loss = step_model(x, y, doc_ids)
+        loss_sum += loss.detach()
+        scaler.scale(loss / t.grad_accum).backward()
+    scaler.unscale_(optimizer)
+    max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    loss_value, norm_value = (loss_sum / t.grad_accum).item(), grad_norm.item()
+    if scaler.is_enabled() or (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value
+
+
+@torch.no_grad()
+def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> float:
+    """Mean loss over the same ``iters`` validation batches every time (the loader restarts)."""
+    step_model.eval()
+    loader.load_state_dict({"batches_drawn": 0})
+    total = torch.zeros((), device=device)
+    for _ in range(iters):
+        x, y, doc_ids = loader.next_batch()
+        with autocast(device, dtype):
+            _, loss = step_model(x, y, doc_ids)
+        total += loss.float()
+    step_model.train()
+    return (total / iters).item()
+
+
+def checkpoint_state(step, model, optimizer, scaler, loader, config: dict, wandb_id: Optional[str], device) -> dict:
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "loader": loader.state_dict(),
+        "rng": rng_state(device),
+        "config": config,
+        "wandb_id": wandb_id,
+    }
+
+
+def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, optimizer, scaler, loader, device):
+    """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
+    if t.resume == "none":
+        old = list_checkpoints(run_dir)
+        if old:
+            print(f"trainer.resume=none: starting over, removing {len(old)} old checkpoint(s) in {checkpoint_dir(run_dir)}")
+            for path in old:
+                path.unlink()
+        return 0, None
+    if t.resume == "auto":
+        path, state = latest_checkpoint(run_dir)
+        if state is None:
+            return 0, None
+    else:
+        path, state = Path(t.resume), load_checkpoint(Path(t.resume))
+    check_compatible(path, state, model_cfg)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    loader.load_state_dict(state["loader"])
+    restore_rng_state(state["rng"], device)
+    print(f"resuming from {path} (step {state['step']})")
+    return state["step"], state.get("wandb_id")
+
+
+def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
+    """A checkpoint resumes only a model of the same shape and vocabulary."""
+    saved = state.get("config", {}).get("model", {})
+    for key in SHAPE_KEYS:
+        mine = getattr(model_cfg, key)
+        theirs = saved.get(key, mine) if key != "vocab_size" else state["model"]["wte.weight"].shape[0]
+        if theirs != mine:
+            raise UserError(
+                f"checkpoint {path} was made with model.{key}={theirs} but this run has model.{key}={mine}; "
+                f"resume with the same model and data settings, or start fresh with trainer.resume=none "
+                f"(or another hydra.run.dir)"
+            )
+
+
+@torch.no_grad()
+def generate_sample(model: GPT, tokenizer, n_tokens: int, device, dtype, seed: int) -> str:
+    """Text generated from a newline prompt with top-k sampling; empty when n_tokens is 0."""
+    if n_tokens == 0:
+        return ""
+    model.eval()
+    prompt = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with autocast(device, dtype):
+        out = model.generate(prompt, n_tokens, temperature=0.8, top_k=200, vocab_limit=tokenizer.vocab_size, generator=gen)
+    model.train()
+    return tokenizer.decode(out[0, 1:].tolist())

@@ -1,0 +1,116 @@
+"""Throughput, model FLOP utilisation and peak memory: every number the loop reports about speed.
+
+MFU = achieved model FLOP/s / the GPU's peak dense bf16/fp16 tensor-core FLOP/s. The model's FLOPs
+per token follow the PaLM appendix: 6 N for the weight matmuls (forward + backward) plus
+12 L d T for attention scores and their weighting (the full T x T product, the usual convention,
+even though causal kernels skip half of it).
+"""
+import time
+from typing import Optional
+
+import torch
+
+from model.config import ModelConfig
+
+# Dense (no sparsity) bf16/fp16 tensor-core peak with fp32 accumulation, in TFLOP/s, from the
+# vendors' datasheets and architecture whitepapers. Matched in order against the device name, so
+# specific names come before their prefixes. Override with trainer.peak_tflops.
+GPU_PEAK_TFLOPS = (
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("A6000", 155.0),
+    ("V100", 125.0),
+    ("T4", 65.0),
+    ("RTX 5090", 209.5),
+    ("RTX 5080", 112.6),
+    ("RTX 5070 Ti", 87.9),
+    ("RTX 5070", 61.7),
+    ("RTX 5060 Ti", 47.4),
+    ("RTX 4090", 165.2),
+    ("RTX 4080 SUPER", 104.4),
+    ("RTX 4080", 97.5),
+    ("RTX 4070 Ti", 80.2),
+    ("RTX 4070", 58.3),
+    ("RTX 4060 Ti", 44.1),
+    ("RTX 4060", 30.2),
+    ("RTX 3090 Ti", 80.0),
+    ("RTX 3090", 71.0),
+    ("RTX 3080 Ti", 68.2),
+    ("RTX 3080", 59.5),
+    ("RTX 3070 Ti", 43.5),
+    ("RTX 3070", 40.6),
+    ("RTX 3060 Ti", 32.4),
+    ("RTX 3060", 25.6),
+    ("RTX 2080 Ti", 53.8),
+    ("RTX 2080", 40.3),
+    ("RTX 2070", 29.9),
+    ("RTX 2060", 25.8),
+)
+
+
+def peak_tflops(device: torch.device, override: Optional[float] = None) -> Optional[float]:
+    """Peak TFLOP/s of ``device``: the override if given, the table's entry, or None (CPU, unknown GPU)."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in GPU_PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops
+    return None
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L d T, N without the position table."""
+    return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
+
+
+class ThroughputMeter:
+    """Tokens/s, MFU and peak memory over the window since the last report.
+
+    The loop calls ``tick(tokens)`` after every optimizer step and ``report()`` at log steps, after
+    a value has been read from the device (which waits for the queued work), so wall time is real.
+    """
+
+    def __init__(self, device: torch.device, flops_per_token: float, peak: Optional[float]):
+        self.device, self.flops_per_token, self.peak = device, flops_per_token, peak
+        self.tokens = 0
+        self.start = time.perf_counter()
+        self._reset_memory()
+
+    def _reset_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def tick(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def exclude(self, seconds: float) -> None:
+        """Leave out time spent on other work (evaluation, checkpoints) from the current window."""
+        self.start += seconds
+
+    def report(self) -> dict:
+        """{'tokens_per_s', 'mfu', 'peak_vram_mb'} for the window, then start a new window."""
+        now = time.perf_counter()
+        tokens_per_s = self.tokens / max(now - self.start, 1e-9)
+        mfu = None
+        if self.peak is not None:
+            mfu = tokens_per_s * self.flops_per_token / (self.peak * 1e12)
+        peak_mb = None
+        if self.device.type == "cuda":
+            peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+        self.tokens, self.start = 0, now
+        self._reset_memory()
+        return {"tokens_per_s": tokens_per_s, "mfu": mfu, "peak_vram_mb": peak_mb}
