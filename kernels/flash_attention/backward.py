@@ -97,7 +97,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
     T_BUCKET,  # autotune key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -126,7 +126,6 @@ def _attn_bwd_dkdv_kernel(
         dv_off = i_b.to(tl.int64) * stride_dvb
         lse_row = 0
         lse_b = i_b.to(tl.int64) * H
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -226,7 +225,7 @@ def _attn_bwd_dq_kernel(
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
     T_BUCKET,  # autotune key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -254,7 +253,6 @@ def _attn_bwd_dq_kernel(
         do_off = i_b.to(tl.int64) * stride_dob
         dq_off = i_b.to(tl.int64) * stride_dqb
         lse_off = (i_b * H + i_h).to(tl.int64) * T
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -366,7 +364,7 @@ def attn_bwd(
         stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
         stride_dob=do.stride(0), stride_dot=do.stride(1), stride_doh=do.stride(2),
         T_BUCKET=triton.next_power_of_2(max_len),
-        HEAD_DIM=D, BLOCK_D=block_d,
+        HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )

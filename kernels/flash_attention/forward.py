@@ -104,7 +104,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     T_BUCKET,  # autotune key only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -130,7 +130,6 @@ def _attn_fwd_kernel(
         v_off = i_b.to(tl.int64) * stride_vb
         o_off = i_b.to(tl.int64) * stride_ob
         lse_off = (i_b * H + i_h).to(tl.int64) * T
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -248,7 +247,7 @@ def attn_fwd(
         stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
         stride_ob=o.stride(0), stride_ot=o.stride(1), stride_oh=o.stride(2),
         T_BUCKET=triton.next_power_of_2(max_len),
-        HEAD_DIM=D, BLOCK_D=block_d,
+        HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )

@@ -1,0 +1,197 @@
+"""Benchmark nanoflash's Triton flash attention against PyTorch SDPA (FlashAttention-2 and cuDNN).
+
+Causal bf16 attention at fixed (B, H, T, D) shapes; for each shape and implementation: median
+forward and forward+backward time (``triton.testing.do_bench``) and TFLOP/s, counting causal
+forward flops as 2*B*H*T^2*D and forward+backward as 3.5x that. Before timing, the outputs and
+gradients of each implementation are checked against ours.
+
+    python scripts/bench_flash.py --out OUTDIR    # writes bench.json and bench.md to OUTDIR
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = [  # (B, H, T, D)
+    (16, 12, 1024, 64),
+    (4, 12, 2048, 64),
+    (8, 16, 2048, 128),
+    (4, 16, 4096, 128),
+    (2, 16, 8192, 128),
+    (1, 16, 16384, 128),
+]
+
+
+def sdpa_fn(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):  # q, k, v: (B, H, T, D)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+def flops(B, H, T, D, with_bwd):
+    f = 2.0 * B * H * T * T * D  # causal: half of 4*B*H*T^2*D
+    return f * 3.5 if with_bwd else f
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def bench_shape(B, H, T, D, dtype, impls, warmup, rep):
+    import triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # Each implementation gets its native contiguous layout: ours (B, T, H, D), SDPA (B, H, T, D).
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g)
+                   for _ in range(4))
+    inputs = {}
+    for name, (fn, layout) in impls.items():
+        if layout == "bthd":
+            inputs[name] = [t.clone().requires_grad_() for t in (q, k, v)] + [do]
+        else:
+            inputs[name] = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            inputs[name].append(do.transpose(1, 2).contiguous())
+
+    row = {"B": B, "H": H, "T": T, "D": D}
+    ref_o = ref_g = None
+    for name, (fn, layout) in impls.items():
+        qq, kk, vv, dd = inputs[name]
+        try:
+            o = fn(qq, kk, vv)
+            gr = torch.autograd.grad(o, (qq, kk, vv), dd)
+        except Exception as e:  # backend unavailable for this shape/device
+            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            continue
+        if layout != "bthd":
+            o = o.transpose(1, 2)
+            gr = [x.transpose(1, 2) for x in gr]
+        res = {}
+        if ref_o is None:
+            ref_o, ref_g = o.detach(), [x.detach() for x in gr]
+        else:
+            res["rel_err_vs_ours"] = {
+                "o": rel_err(o, ref_o),
+                **{n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
+            }
+            bad = {n: e for n, e in res["rel_err_vs_ours"].items() if not e < 2e-2}
+            res["agrees"] = not bad
+        del o, gr
+
+        def fwd():
+            return fn(qq, kk, vv)
+
+        def fwd_bwd():
+            out = fn(qq, kk, vv)
+            out.backward(dd)
+
+        t_f = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+        t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=[qq, kk, vv],
+                                       return_mode="median")
+        res.update(fwd_ms=t_f, fwd_bwd_ms=t_fb,
+                   fwd_tflops=flops(B, H, T, D, False) / t_f * 1e-9,
+                   fwd_bwd_tflops=flops(B, H, T, D, True) / t_fb * 1e-9)
+        row[name] = res
+    del inputs
+    torch.cuda.empty_cache()
+    return row
+
+
+def chosen_configs() -> dict:
+    """The config each autotuned kernel picked, per autotune key."""
+    from kernels.flash_attention import backward, forward
+
+    out = {}
+    for name, tuner in (("fwd", forward._attn_fwd_tuned), ("dkdv", backward._attn_bwd_dkdv_tuned),
+                        ("dq", backward._attn_bwd_dq_tuned)):
+        out[name] = {str(k): str(v) for k, v in getattr(tuner, "cache", {}).items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for bench.json and bench.md")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_flash.py needs a CUDA GPU")
+
+    import triton
+    from torch.nn.attention import SDPBackend
+
+    from kernels import flash_attn
+
+    shapes = SHAPES if not args.shapes else [
+        tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    impls = {
+        "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
+        "sdpa_fa2": (sdpa_fn(SDPBackend.FLASH_ATTENTION), "bhtd"),
+        "sdpa_cudnn": (sdpa_fn(SDPBackend.CUDNN_ATTENTION), "bhtd"),
+    }
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "dtype": "bfloat16",
+        "causal": True,
+        "autotune": os.environ.get("NANOFLASH_AUTOTUNE", "1") != "0",
+        "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
+    }
+    rows = []
+    for (B, H, T, D) in shapes:
+        row = bench_shape(B, H, T, D, torch.bfloat16, impls, args.warmup, args.rep)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
+          f"{meta['date']} | bf16 causal, TFLOP/s (median time)", "",
+          "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
+          "fwd+bwd cuDNN | fwd+bwd ours/FA2 | agrees |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, key):
+        return f"{r[key]:.0f}" if isinstance(r, dict) and key in r else "n/a"
+
+    for r in rows:
+        ours, fa2, cud = r.get("nanoflash", {}), r.get("sdpa_fa2", {}), r.get("sdpa_cudnn", {})
+        speed = (f"{ours['fwd_bwd_tflops'] / fa2['fwd_bwd_tflops']:.2f}x"
+                 if "fwd_bwd_tflops" in ours and "fwd_bwd_tflops" in fa2 else "n/a")
+        agrees = all(x.get("agrees", True) for x in (fa2, cud))
+        md.append(f"| {r['B']} | {r['H']} | {r['T']} | {r['D']} | {cell(ours, 'fwd_tflops')} | "
+                  f"{cell(fa2, 'fwd_tflops')} | {cell(cud, 'fwd_tflops')} | "
+                  f"{cell(ours, 'fwd_bwd_tflops')} | {cell(fa2, 'fwd_bwd_tflops')} | "
+                  f"{cell(cud, 'fwd_bwd_tflops')} | {speed} | {'yes' if agrees else 'NO'} |")
+    meta["chosen_configs"] = chosen_configs()
+    for name, cfgs in meta["chosen_configs"].items():
+        for key, cfg in cfgs.items():
+            print(f"autotuned {name} {key}: {cfg}")
+    table = "\n".join(md)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (out / "bench.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
