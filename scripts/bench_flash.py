@@ -54,7 +54,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def bench_shape(B, H, T, D, dtype, impls, warmup, rep):
+def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
     import triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -107,6 +107,17 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep):
         res.update(fwd_ms=t_f, fwd_bwd_ms=t_fb,
                    fwd_tflops=flops(B, H, T, D, False) / t_f * 1e-9,
                    fwd_bwd_tflops=flops(B, H, T, D, True) / t_fb * 1e-9)
+        if graphs:  # replayed CUDA graphs: GPU time without Python/launch overhead
+            try:
+                g_f = triton.testing.do_bench_cudagraph(fwd, rep=rep, return_mode="median")
+                g_fb = triton.testing.do_bench_cudagraph(fwd_bwd, rep=rep,
+                                                         grad_to_none=[qq, kk, vv],
+                                                         return_mode="median")
+                res.update(graph_fwd_ms=g_f, graph_fwd_bwd_ms=g_fb,
+                           graph_fwd_tflops=flops(B, H, T, D, False) / g_f * 1e-9,
+                           graph_fwd_bwd_tflops=flops(B, H, T, D, True) / g_fb * 1e-9)
+            except Exception as e:
+                res["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         row[name] = res
     del inputs
     torch.cuda.empty_cache()
@@ -129,6 +140,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for bench.json and bench.md")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time replays of captured CUDA graphs (no launch overhead)")
     ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -158,7 +171,7 @@ def main() -> None:
     }
     rows = []
     for (B, H, T, D) in shapes:
-        row = bench_shape(B, H, T, D, torch.bfloat16, impls, args.warmup, args.rep)
+        row = bench_shape(B, H, T, D, torch.bfloat16, impls, args.warmup, args.rep, args.graphs)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -184,6 +197,22 @@ def main() -> None:
     for name, cfgs in meta["chosen_configs"].items():
         for key, cfg in cfgs.items():
             print(f"autotuned {name} {key}: {cfg}")
+    if args.graphs:
+        md += ["", "Same, timed as replayed CUDA graphs (GPU time without Python/launch "
+               "overhead):", "",
+               "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
+               "fwd+bwd cuDNN | fwd+bwd ours/FA2 |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            ours, fa2, cud = (r.get(n, {}) for n in ("nanoflash", "sdpa_fa2", "sdpa_cudnn"))
+            speed = (f"{ours['graph_fwd_bwd_tflops'] / fa2['graph_fwd_bwd_tflops']:.2f}x"
+                     if "graph_fwd_bwd_tflops" in ours and "graph_fwd_bwd_tflops" in fa2
+                     else "n/a")
+            md.append(f"| {r['B']} | {r['H']} | {r['T']} | {r['D']} | "
+                      f"{cell(ours, 'graph_fwd_tflops')} | {cell(fa2, 'graph_fwd_tflops')} | "
+                      f"{cell(cud, 'graph_fwd_tflops')} | {cell(ours, 'graph_fwd_bwd_tflops')} | "
+                      f"{cell(fa2, 'graph_fwd_bwd_tflops')} | {cell(cud, 'graph_fwd_bwd_tflops')} "
+                      f"| {speed} |")
     table = "\n".join(md)
     print(table)
     if args.out:
