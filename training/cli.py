@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from training.config import TrainConfig, validate
 from training.errors import UserError
+from training.loop import Interrupted
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "attention", "data", "optim", "trainer", "logger", "experiment")
@@ -106,13 +107,17 @@ def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
 
 @contextlib.contextmanager
 def exit_on_user_error():
-    """Turn a UserError into one line on stderr and exit status 2; out-of-memory gets advice."""
+    """Turn a UserError into one line on stderr and exit status 2; out-of-memory gets advice;
+    an interrupted run says where its checkpoint is and exits with 128 + the signal number."""
     try:
         yield
     except UserError as err:
         fail(str(err))
     except torch.OutOfMemoryError as err:
         fail(out_of_memory_advice(err))
+    except Interrupted as stop:
+        print(str(stop), file=sys.stderr)
+        sys.exit(128 + stop.signum)
 
 
 def out_of_memory_advice(err: BaseException) -> str:

@@ -32,6 +32,7 @@ from training.loggers import MetricsLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at, set_lr
 from training.precision import autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
+from training.signals import StopRequest
 
 # Model options a checkpoint must share with the run that resumes it.
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "mlp")
@@ -39,6 +40,14 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_s
 
 class TrainingStopped(UserError):
     """The run cannot go on (non-finite loss for too many steps); the last good checkpoint is kept."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was saved."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> dict:
@@ -86,35 +95,52 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 
     started = time.perf_counter()
     bad_streak, loss, val_loss = 0, float("nan"), None
-    for step in range(start_step + 1, t.max_steps + 1):
-        set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
-        loss, grad_norm = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
-        meter.tick(tokens_per_step)
-        logger.advance()
+    save = lambda step, loader_state: save_checkpoint(run_dir, step, checkpoint_state(
+        step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device), t.keep_checkpoints)
+    with StopRequest() as stop:
+        for step in range(start_step + 1, t.max_steps + 1):
+            loader_before = train_loader.state_dict()
+            set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
+            try:
+                loss, grad_norm = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
+            except torch.OutOfMemoryError:
+                optimizer.zero_grad(set_to_none=True)
+                if step - 1 > start_step:
+                    logger.message(f"out of memory at step {step}: saved {save(step - 1, loader_before)}")
+                logger.close()
+                raise
+            meter.tick(tokens_per_step)
+            logger.advance()
 
-        bad_streak = 0 if math.isfinite(loss) else bad_streak + 1
-        if bad_streak >= t.max_bad_steps:
-            newest = list_checkpoints(run_dir)
-            raise TrainingStopped(
-                f"loss was not finite for {bad_streak} steps in a row (last at step {step}); the last good "
-                f"checkpoint is {newest[-1] if newest else 'none'}. Lower optim.lr, raise optim.warmup_steps, "
-                f"keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 (trainer.max_bad_steps sets the limit)"
-            )
-        if step % t.log_interval == 0 or step == t.max_steps:
-            record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
-            record.update(meter.report())
-            record["elapsed_s"] = time.perf_counter() - started
-            logger.log(record)
-        if step % t.eval_interval == 0 or step == t.max_steps:
-            paused = time.perf_counter()
-            val_loss = evaluate(step_model, val_loader, t.eval_iters, device, dtype)
-            logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
-            meter.exclude(time.perf_counter() - paused)
-        if (step % t.ckpt_interval == 0 or step == t.max_steps) and bad_streak == 0:
-            paused = time.perf_counter()
-            state = checkpoint_state(step, model, optimizer, scaler, train_loader, config_dict, logger.wandb_id, device)
-            save_checkpoint(run_dir, step, state, t.keep_checkpoints)
-            meter.exclude(time.perf_counter() - paused)
+            bad_streak = 0 if math.isfinite(loss) else bad_streak + 1
+            if bad_streak >= t.max_bad_steps:
+                logger.close()
+                newest = list_checkpoints(run_dir)
+                raise TrainingStopped(
+                    f"loss was not finite for {bad_streak} steps in a row (last at step {step}); the last good "
+                    f"checkpoint is {newest[-1] if newest else 'none'}. Lower optim.lr, raise optim.warmup_steps, "
+                    f"keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 (trainer.max_bad_steps sets the limit)"
+                )
+            if step % t.log_interval == 0 or step == t.max_steps:
+                record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+                record.update(meter.report())
+                record["elapsed_s"] = time.perf_counter() - started
+                logger.log(record)
+            if step % t.eval_interval == 0 or step == t.max_steps:
+                paused = time.perf_counter()
+                val_loss = evaluate(step_model, val_loader, t.eval_iters, device, dtype)
+                logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
+                meter.exclude(time.perf_counter() - paused)
+            due = step % t.ckpt_interval == 0 or step == t.max_steps
+            if (due or stop.signum) and bad_streak == 0:
+                paused = time.perf_counter()
+                path = save(step, train_loader.state_dict())
+                meter.exclude(time.perf_counter() - paused)
+            if stop.signum:
+                logger.close()
+                kept = path if bad_streak == 0 else (list_checkpoints(run_dir) or ["no checkpoint"])[-1]
+                raise Interrupted(stop.signum, f"{stop.name}: stopped after step {step}; {kept} holds the run "
+                                               "(start the same command again to resume)")
     elapsed = time.perf_counter() - started
     logger.close()
 
@@ -176,13 +202,13 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> floa
     return (total / iters).item()
 
 
-def checkpoint_state(step, model, optimizer, scaler, loader, config: dict, wandb_id: Optional[str], device) -> dict:
+def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device) -> dict:
     return {
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
-        "loader": loader.state_dict(),
+        "loader": loader_state,
         "rng": rng_state(device),
         "config": config,
         "wandb_id": wandb_id,

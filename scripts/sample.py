@@ -1,0 +1,81 @@
+"""Generate text from a checkpoint.
+
+    python scripts/sample.py outputs/tiny-sdpa-shakespeare --prompt "ROMEO:" --tokens 200
+    python scripts/sample.py outputs/run/checkpoints/step_0000300.pt --temperature 0.7 --top-k 50
+
+A run folder means its newest checkpoint. The tokenizer comes from the data settings saved in the
+checkpoint (the token cache is rebuilt if it is missing).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from data.config import DataConfig  # noqa: E402
+from data.prepare import prepare  # noqa: E402
+from data.tokenizers import load_tokenizer  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+from model.attention import build_attention  # noqa: E402
+from model.config import AttentionConfig  # noqa: E402
+from training.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from training.cli import fail  # noqa: E402
+from training.errors import UserError  # noqa: E402
+from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a run folder (newest checkpoint) or a checkpoint file")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--samples", type=int, default=1, help="independent samples")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    return p.parse_args(argv)
+
+
+def load_state(path: Path) -> dict:
+    if path.is_dir():
+        found, state = latest_checkpoint(path)
+        if state is None:
+            raise UserError(f"{path} holds no checkpoint; give a run folder with checkpoints/ or a .pt file")
+        return state
+    return load_checkpoint(path)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    state = load_state(Path(args.checkpoint))
+    config = state["config"]
+    device = resolve_device(args.device)
+    dtype = resolve_dtype("auto", device)
+    tokenizer = load_tokenizer(prepare(DataConfig(**config["data"])).manifest)
+    model_cfg = ModelConfig(**config["model"])
+    model_cfg.vocab_size = state["model"]["wte.weight"].shape[0]
+    model_cfg.dropout = 0.0
+    attend, _ = build_attention(AttentionConfig(name="sdpa", window=config["attention"].get("window")), device)
+    model = GPT(model_cfg, attend).to(device).eval()
+    model.load_state_dict(state["model"])
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise UserError("--prompt encodes to no tokens; give some text")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    idx = torch.tensor([prompt] * args.samples, dtype=torch.long, device=device)
+    with autocast(device, dtype):
+        out = model.generate(idx, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                             vocab_limit=tokenizer.vocab_size, generator=gen)
+    for row in out.tolist():
+        print(tokenizer.decode(row))
+        print("---")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as err:
+        fail(str(err))

@@ -1,0 +1,99 @@
+"""Unit tests of the loop's parts: schedules, optimizer groups, precision choice, MFU, checkpoints."""
+import pytest
+import torch
+
+from model import GPT, ModelConfig
+from model.attention import build_attention
+from model.config import AttentionConfig
+from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from training.config import OptimConfig
+from training.errors import UserError
+from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
+from training.optim import build_optimizer, lr_at
+from training.precision import resolve_device, resolve_dtype
+
+
+def tiny_gpt(**kw) -> GPT:
+    attend, _ = build_attention(AttentionConfig(name="sdpa"), torch.device("cpu"))
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, **kw), attend)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_schedules_warm_up_then_end_where_they_should(schedule):
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10, schedule=schedule, decay_fraction=0.2)
+    lrs = [lr_at(s, cfg, 100) for s in range(1, 101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert max(lrs) == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    if schedule == "wsd":
+        assert lrs[79] == pytest.approx(1.0) and lrs[89] < 1.0
+
+
+def test_weight_decay_only_on_matmul_weights():
+    model = tiny_gpt(bias=True)
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert any(p is model.wte.weight for p in decay["params"])  # tied to the LM head
+    assert any(p is model.wpe.weight for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_tied_embeddings_and_scaled_residual_init():
+    model = tiny_gpt()
+    assert model.lm_head.weight is model.wte.weight
+    std = model.blocks[0].attn.c_proj.weight.std().item()
+    assert std == pytest.approx(0.02 / (2 * 2) ** 0.5, rel=0.25)
+
+
+def test_gpt_generates_within_the_real_vocabulary():
+    torch.manual_seed(0)
+    model = tiny_gpt().eval()
+    out = model.generate(torch.zeros(2, 1, dtype=torch.long), 30, top_k=10, vocab_limit=50)
+    assert out.shape == (2, 31) and int(out.max()) < 50
+
+
+@pytest.mark.parametrize("options", [dict(n_kv_head=1, pos="rope", mlp="swiglu", norm="rmsnorm"), dict(bias=True, dropout=0.1)])
+def test_model_variants_train_a_step(options):
+    model = tiny_gpt(**options)
+    x = torch.randint(0, 64, (2, 16))
+    _, loss = model(x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_device_and_dtype_choice_on_a_cpu_machine():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(UserError, match="trainer.dtype=fp16 needs a CUDA GPU"):
+        resolve_dtype("fp16", torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="trainer.device=cuda"):
+            resolve_device("cuda")
+
+
+def test_mfu_arithmetic_and_peak_table():
+    cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    assert flops_per_token(cfg, 124_000_000, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+    assert peak_tflops(torch.device("cpu")) is None
+    assert peak_tflops(torch.device("cpu"), override=100.0) == 100.0
+    meter = ThroughputMeter(torch.device("cpu"), flops_per_token=1e9, peak=1.0)
+    meter.tick(1000)
+    report = meter.report()
+    assert report["tokens_per_s"] > 0 and report["mfu"] == pytest.approx(report["tokens_per_s"] * 1e9 / 1e12)
+
+
+def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_falls_back(tmp_path):
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, {"step": step, "model": {"w": torch.ones(2) * step}}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000020.pt", "step_0000030.pt"]
+    (tmp_path / "checkpoints" / ".step_0000040.pt.tmp").write_bytes(b"half a file")  # a killed save
+    newest = list_checkpoints(tmp_path)[-1]
+    newest.write_bytes(newest.read_bytes()[:100])  # damaged after the fact
+    with pytest.warns(UserWarning, match="step_0000030.pt is corrupt"):
+        path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step_0000020.pt" and state["step"] == 20
+    with pytest.raises(UserError, match="is corrupt"):
+        load_checkpoint(newest)
