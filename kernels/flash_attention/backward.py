@@ -1,15 +1,17 @@
-"""Flash-attention backward: preprocess, dK/dV and dQ Triton kernels, and their launch function.
+"""Flash-attention backward: dQ (with the delta preprocess fused in) and dK/dV Triton kernels.
 
 FlashAttention-2 style recompute: nothing of size T x T is saved. From q, k, v, the output o, its
 gradient do and the saved log-sum-exp (natural log, converted to base 2 in the kernels):
 
-* ``_bwd_preprocess``: delta_i = sum_d do_id * o_id (fp32), shape (B, H, T).
+* ``_attn_bwd_dq_kernel`` runs first. Each program first computes the usual "preprocess"
+  delta_i = sum_d do_id * o_id (minus dlse_i when the lse output has a gradient) for its query
+  rows and stores it (fp32, (B, H, T)) for the dK/dV kernel; fusing it saves a kernel launch,
+  which is measurable CPU time on short sequences (docs/KERNEL.md). Then, looping over key
+  blocks: dQ += dS K with dS = P * (dO V^T - delta).
 * ``_attn_bwd_dkdv_kernel``: one program per block of ``BLOCK_N`` keys of one kv head; it loops
   over the ``G`` query heads sharing that kv head (GQA) and over their query blocks, recomputing
   P^T = exp2(K Q^T * scale - lse) and accumulating dV += P^T dO, dK += dS^T Q in fp32 registers.
   No atomics: each dK/dV row is written once by one program, so the result is deterministic.
-* ``_attn_bwd_dq_kernel``: one program per block of ``BLOCK_M`` queries of one query head,
-  looping over key blocks: dQ += dS K with dS = P * (dO V^T - delta).
 
 P and dS are cast to the inputs' element type before their matmul. Key/query ranges are split
 into unmasked and masked (causal diagonal, window edge, ragged end) loops as in the forward.
@@ -23,28 +25,6 @@ import triton.language as tl
 
 from .configs import make_pruner, triton_configs
 from .forward import _dot, _load_rows, launch, seq_layout
-
-
-@triton.jit(do_not_specialize=["T"])
-def _bwd_preprocess(
-    O, DO, DELTA, T, H,
-    stride_ob, stride_ot, stride_oh,
-    stride_dob, stride_dot, stride_doh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < T) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + i_b.to(tl.int64) * stride_ob + i_h * stride_oh
-                + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + i_b.to(tl.int64) * stride_dob + i_h * stride_doh
-                 + offs_m[:, None] * stride_dot + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + i_bh.to(tl.int64) * T + offs_m, delta, mask=offs_m < T)
 
 
 @triton.jit
@@ -217,17 +197,18 @@ def _dq_inner(
 
 @triton.jit(do_not_specialize=["T", "WINDOW"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_SEQLENS,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS,
     qk_scale, sm_scale, T, H, G, WINDOW,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IEEE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -242,6 +223,7 @@ def _attn_bwd_dq_kernel(
         q_off = bos * stride_qt
         k_off = bos * stride_kt
         v_off = bos * stride_vt
+        o_off = bos * stride_ot
         do_off = bos * stride_dot
         dq_off = bos * stride_dqt
         lse_off = i_h.to(tl.int64) * T + bos
@@ -250,6 +232,7 @@ def _attn_bwd_dq_kernel(
         q_off = i_b.to(tl.int64) * stride_qb
         k_off = i_b.to(tl.int64) * stride_kb
         v_off = i_b.to(tl.int64) * stride_vb
+        o_off = i_b.to(tl.int64) * stride_ob
         do_off = i_b.to(tl.int64) * stride_dob
         dq_off = i_b.to(tl.int64) * stride_dqb
         lse_off = (i_b * H + i_h).to(tl.int64) * T
@@ -265,8 +248,15 @@ def _attn_bwd_dq_kernel(
     do = _load_rows(DO + do_off + i_h.to(tl.int64) * stride_doh
                     + offs_m[:, None] * stride_dot + offs_d[None, :], offs_m, seqlen, d_mask,
                     True, EVEN_D)
+    o = _load_rows(O + o_off + i_h.to(tl.int64) * stride_oh
+                   + offs_m[:, None] * stride_ot + offs_d[None, :], offs_m, seqlen, d_mask,
+                   True, EVEN_D)
+    # fused preprocess: delta = rowsum(dO * O) (- dlse), stored for the dK/dV kernel
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + lse_off + offs_m, mask=m_mask, other=0.0)
+    tl.store(DELTA + lse_off + offs_m, delta, mask=m_mask)
     lse2 = tl.load(LSE + lse_off + offs_m, mask=m_mask, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + lse_off + offs_m, mask=m_mask, other=0.0)
     k_base = K + k_off + i_kvh.to(tl.int64) * stride_kh
     v_base = V + v_off + i_kvh.to(tl.int64) * stride_vh
 
@@ -344,16 +334,9 @@ def attn_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = max(16, triton.next_power_of_2(D))
 
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    pre_m = 64 if block_d <= 128 else 32
-    _bwd_preprocess[(triton.cdiv(T, pre_m), B * H)](
-        o, do, delta, T, H,
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=pre_m,
-    )
-    if dlse is not None:  # d lse_i / d s_ij = P_ij, i.e. dS gains P * dlse: fold into delta
-        delta = delta - dlse.float()
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
+    if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
+        dlse = dlse.float().contiguous()
 
     common = dict(
         Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, CU_SEQLENS=cu_seqlens,
@@ -368,13 +351,14 @@ def attn_bwd(
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )
+    launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, "dq", max_len, (n_seq, H),
+           dict(common, O=o, DLSE=dlse, HAS_DLSE=dlse is not None, DQ=dq,
+                stride_ob=o.stride(0), stride_ot=o.stride(1), stride_oh=o.stride(2),
+                stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2)),
+           block_d, q.element_size(), q.device)
     launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, "dkdv", max_len, (n_seq, H_kv),
            dict(common, DK=dk, DV=dv,
                 stride_dkb=dk.stride(0), stride_dkt=dk.stride(1), stride_dkh=dk.stride(2),
                 stride_dvb=dv.stride(0), stride_dvt=dv.stride(1), stride_dvh=dv.stride(2)),
-           block_d, q.element_size(), q.device)
-    launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, "dq", max_len, (n_seq, H),
-           dict(common, DQ=dq,
-                stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2)),
            block_d, q.element_size(), q.device)
     return dq, dk, dv

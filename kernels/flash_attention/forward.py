@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import (
+    TileConfig,
     autotune_enabled,
     default_config,
     make_pruner,
@@ -200,6 +201,9 @@ def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, i
     return n, max_len
 
 
+_TUNED: dict[tuple, TileConfig] = {}  # autotune key -> config the autotuner picked
+
+
 def launch(kernel_jit, kernel_tuned, kind: str, grid_rows: int, grid_yz: tuple[int, int],
            args: dict, block_d: int, elem_bytes: int, device) -> None:
     """Launch a kernel autotuned, or with its default config (interpreter / no-autotune).
@@ -209,12 +213,21 @@ def launch(kernel_jit, kernel_tuned, kind: str, grid_rows: int, grid_yz: tuple[i
     """
     tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
     if autotune_enabled():
-        kernel_tuned[lambda meta: (triton.cdiv(grid_rows, meta[tile]), *grid_yz)](**args)
+        key = (kind, args["T_BUCKET"], args["HEAD_DIM"], args["IS_CAUSAL"], args["HAS_WINDOW"],
+               args["IS_VARLEN"], args["Q"].dtype, device.index)
+        cfg = _TUNED.get(key)
+        if cfg is None:  # first call for this key: let the autotuner time the configs
+            kernel_tuned[lambda meta: (triton.cdiv(grid_rows, meta[tile]), *grid_yz)](**args)
+            best = kernel_tuned.best_config
+            _TUNED[key] = TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"],
+                                     best.num_warps, best.num_stages)
+            return
+        # later calls skip the autotuner's per-call key building (CPU time on short sequences)
     else:
         cfg = default_config(kind, device, block_d, elem_bytes)
-        grid = (triton.cdiv(grid_rows, getattr(cfg, tile)), *grid_yz)
-        kernel_jit[grid](**args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (triton.cdiv(grid_rows, getattr(cfg, tile)), *grid_yz)
+    kernel_jit[grid](**args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def attn_fwd(
