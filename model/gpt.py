@@ -159,7 +159,7 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x), None
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits[:, -1:], loss
 
     @torch.no_grad()

@@ -1,9 +1,13 @@
 """Shared fixtures: a token cache prepared once per session, and tiny training configs."""
-import dataclasses
 import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when a kernel is defined: set it before any test module imports kernels/.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from data.config import DataConfig
 from model.config import AttentionConfig, ModelConfig
@@ -39,5 +43,3 @@ def run_env() -> dict:
     env.pop("TRITON_INTERPRET", None)
     return env
 
-
-__all__ = ["tiny_config", "run_env", "REPO", "dataclasses"]

@@ -24,7 +24,7 @@ def read_metrics(run_dir):
 
 @pytest.mark.parametrize("backend", ["naive", "hybrid", "sdpa"])
 def test_loss_falls_and_every_record_is_complete(tmp_path, data_cache, backend):
-    cfg = tiny_config(data_cache, max_steps=60, log_interval=10, eval_interval=30)
+    cfg = tiny_config(data_cache, max_steps=60, batch_size=16, log_interval=10, eval_interval=30)
     cfg.attention.name = backend
     summary = train(cfg, tmp_path)
     records = read_metrics(tmp_path)

@@ -76,20 +76,17 @@ def machine_defaults(args: List[str]) -> List[str]:
     """Extra overrides for a machine without a GPU, when the user left the model to us.
 
     The default model needs a GPU to train in minutes; with no GPU (or trainer.device=cpu) and no
-    model, experiment or step count chosen, `python train.py` trains model=tiny for
-    trainer.cpu_max_steps steps instead, and says so.
+    model or experiment chosen, `python train.py` runs experiment=cpu (model=tiny, a few minutes
+    on 2 cores) instead, and says so. Options given on the command line still win.
     """
     keys = [a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a and not a.startswith("-")]
     chosen_model = any(k == "model" or k.startswith("model.") or k == "experiment" for k in keys)
     wants_cpu = "trainer.device=cpu" in args or (not torch.cuda.is_available() and "trainer.device=cuda" not in args)
     if chosen_model or not wants_cpu:
         return []
-    extra = ["model=tiny"]
-    if "trainer.max_steps" not in keys:
-        extra.append("trainer.max_steps=${trainer.cpu_max_steps}")
-    print("No GPU in use: training model=tiny instead of the default model=small "
-          "(pass model=small to insist).", file=sys.stderr)
-    return extra
+    print("No GPU in use: running experiment=cpu (model=tiny, 300 steps) instead of the default "
+          "model=small; pass model=small to insist.", file=sys.stderr)
+    return ["experiment=cpu"]
 
 
 def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:

@@ -38,7 +38,6 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     max_steps: int = 2000
-    cpu_max_steps: int = 300  # steps when `python train.py` falls back to model=tiny on a CPU-only machine
     batch_size: int = 32  # sequences per micro-batch
     grad_accum: int = 1
     grad_clip: float = 1.0  # 0 disables clipping
@@ -108,7 +107,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.dtype", t.dtype, DTYPES)
-    for key in ("max_steps", "cpu_max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+    for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters",
                 "log_interval", "ckpt_interval", "keep_checkpoints", "max_bad_steps"):
         _positive(f"trainer.{key}", getattr(t, key))
     _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)

@@ -1,0 +1,1 @@
+"""Data: the embedded corpus, tokenizers, the token cache (prepare) and batches (loader)."""

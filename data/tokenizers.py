@@ -1,0 +1,84 @@
+"""Tokenizers: GPT-2 BPE through tiktoken, offline, and a character-level one.
+
+The GPT-2 vocabulary files ship in data/gpt2/ (byte-identical to the ones tiktoken downloads; the
+sha256 of each is checked), so no network is needed. The char vocabulary is the sorted set of the
+corpus' characters and is saved in the token cache's manifest.
+"""
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import tiktoken
+from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+GPT2_DIR = Path(__file__).resolve().parent / "gpt2"
+GPT2_FILES = {
+    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+}
+# GPT-2's pre-tokenization pattern (tiktoken's r50k/gpt2 definition).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+EOT = "<|endoftext|>"
+
+
+@lru_cache(maxsize=1)
+def gpt2_encoding() -> tiktoken.Encoding:
+    """tiktoken's gpt2 encoding built from the shipped files (50257 tokens, <|endoftext|> = 50256)."""
+    for name, digest in GPT2_FILES.items():
+        if hashlib.sha256((GPT2_DIR / name).read_bytes()).hexdigest() != digest:
+            raise RuntimeError(f"{GPT2_DIR / name} is damaged (sha256 mismatch); restore it from the repository")
+    ranks = data_gym_to_mergeable_bpe_ranks(str(GPT2_DIR / "vocab.bpe"), str(GPT2_DIR / "encoder.json"))
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: 50256}, explicit_n_vocab=50257)
+
+
+class GPT2Tokenizer:
+    name = "gpt2"
+    vocab_size = 50257
+    eot_id: Optional[int] = 50256
+
+    def encode(self, text: str) -> List[int]:
+        """Ordinary text only: a literal "<|endoftext|>" in the corpus is encoded as plain text."""
+        return gpt2_encoding().encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        return gpt2_encoding().encode_ordinary_batch(list(texts), num_threads=num_threads)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return gpt2_encoding().decode(list(ids))
+
+
+class CharTokenizer:
+    """One token per character of a fixed vocabulary (no end-of-text token)."""
+
+    name = "char"
+    eot_id: Optional[int] = None
+
+    def __init__(self, chars: str):
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.index = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))))
+
+    def encode(self, text: str) -> List[int]:
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as err:
+            raise ValueError(f"character {err.args[0]!r} is not in the char vocabulary") from err
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+def load_tokenizer(manifest: dict):
+    """The tokenizer a token cache was made with, from its manifest."""
+    if manifest["tokenizer"] == "char":
+        return CharTokenizer(manifest["chars"])
+    return GPT2Tokenizer()

@@ -1,0 +1,35 @@
+"""Tokenize a `data=` config ahead of time, with the same overrides as train.py.
+
+    python scripts/prepare_data.py                                  # Tiny Shakespeare, GPT-2 BPE
+    python scripts/prepare_data.py data=shakespeare_char
+    python scripts/prepare_data.py data=hf data.path=./corpus/ data.num_proc=8
+    python scripts/prepare_data.py data=hf data.path=HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT data.max_docs=100000
+"""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from data.config import DataConfig  # noqa: E402
+from data.prepare import prepare, summary  # noqa: E402
+from training.cli import check_overrides, exit_on_user_error  # noqa: E402
+from training.config import register_configs  # noqa: E402
+
+register_configs()
+
+
+@hydra.main(config_path=str(ROOT / "configs"), config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        data_cfg = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
+        print(summary(prepare(data_cfg)))
+
+
+if __name__ == "__main__":
+    check_overrides(sys.argv[1:])
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    main()
