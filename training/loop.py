@@ -3,7 +3,6 @@
 ``train(cfg, run_dir)`` is everything `python train.py` does after the config is composed.
 """
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -94,7 +93,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     step_model = torch.compile(model) if t.compile else model
 
     started = time.perf_counter()
-    bad_streak, loss, val_loss = 0, float("nan"), None
+    loss, val_loss = float("nan"), None
+    bad_streak = torch.zeros((), dtype=torch.int64, device=device)  # consecutive bad steps, on the device
+    worst_streak = torch.zeros_like(bad_streak)  # longest streak since the last check
     save = lambda step, loader_state: save_checkpoint(run_dir, step, checkpoint_state(
         step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device), t.keep_checkpoints)
     with StopRequest() as stop:
@@ -102,43 +103,51 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             loader_before = train_loader.state_dict()
             set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
             try:
-                loss, grad_norm = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
+                loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
             except torch.OutOfMemoryError:
                 optimizer.zero_grad(set_to_none=True)
                 if step - 1 > start_step:
                     logger.message(f"out of memory at step {step}: saved {save(step - 1, loader_before)}")
                 logger.close()
                 raise
+            bad_streak = (bad_streak + 1) * (~good)
+            worst_streak = torch.maximum(worst_streak, bad_streak)
             meter.tick(tokens_per_step)
             logger.advance()
 
-            bad_streak = 0 if math.isfinite(loss) else bad_streak + 1
-            if bad_streak >= t.max_bad_steps:
+            log_due = step % t.log_interval == 0 or step == t.max_steps
+            eval_due = step % t.eval_interval == 0 or step == t.max_steps
+            ckpt_due = step % t.ckpt_interval == 0 or step == t.max_steps or stop.signum
+            if not (log_due or eval_due or ckpt_due):
+                continue  # nothing read from the device: the host runs ahead of the GPU
+            loss, grad_norm, worst, current = (v.item() for v in (loss_t, grad_norm_t, worst_streak, bad_streak))
+            worst_streak = bad_streak.clone()
+            if worst >= t.max_bad_steps:
                 logger.close()
                 newest = list_checkpoints(run_dir)
                 raise TrainingStopped(
-                    f"loss was not finite for {bad_streak} steps in a row (last at step {step}); the last good "
-                    f"checkpoint is {newest[-1] if newest else 'none'}. Lower optim.lr, raise optim.warmup_steps, "
-                    f"keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 (trainer.max_bad_steps sets the limit)"
+                    f"loss or gradients were not finite for {worst} steps in a row (seen at step {step}); those steps "
+                    f"changed nothing and the last good checkpoint is {newest[-1] if newest else 'none'}. Lower "
+                    "optim.lr, raise optim.warmup_steps, keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 "
+                    "(trainer.max_bad_steps sets the limit)"
                 )
-            if step % t.log_interval == 0 or step == t.max_steps:
+            if log_due:
                 record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
                 record.update(meter.report())
                 record["elapsed_s"] = time.perf_counter() - started
                 logger.log(record)
-            if step % t.eval_interval == 0 or step == t.max_steps:
+            if eval_due:
                 paused = time.perf_counter()
                 val_loss = evaluate(step_model, val_loader, t.eval_iters, device, dtype)
                 logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
                 meter.exclude(time.perf_counter() - paused)
-            due = step % t.ckpt_interval == 0 or step == t.max_steps
-            if (due or stop.signum) and bad_streak == 0:
+            if ckpt_due and current == 0:
                 paused = time.perf_counter()
                 path = save(step, train_loader.state_dict())
                 meter.exclude(time.perf_counter() - paused)
             if stop.signum:
                 logger.close()
-                kept = path if bad_streak == 0 else (list_checkpoints(run_dir) or ["no checkpoint"])[-1]
+                kept = path if current == 0 else (list_checkpoints(run_dir) or ["no checkpoint"])[-1]
                 raise Interrupted(stop.signum, f"{stop.name}: stopped after step {step}; {kept} holds the run "
                                                "(start the same command again to resume)")
     elapsed = time.perf_counter() - started
@@ -164,10 +173,12 @@ def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
 
 
 def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, device, dtype):
-    """One optimizer step over ``grad_accum`` micro-batches. Returns (mean loss, grad norm) as floats.
+    """One optimizer step over ``grad_accum`` micro-batches, queued without waiting for the device.
 
-    A step whose loss or gradient is not finite updates nothing (fp16: the grad scaler skips it and
-    lowers its scale; otherwise the step is dropped here).
+    Returns device tensors (mean loss, grad norm, good) where ``good`` says the step counted. A step
+    whose loss or gradient is not finite updates nothing: with fp16 the grad scaler skips it (and
+    lowers its scale; only a non-finite loss counts as bad then, overflowing gradients are routine),
+    otherwise the fused optimizer is told to skip it through ``found_inf``.
     """
     loss_sum = torch.zeros((), device=device)
     for _ in range(t.grad_accum):
@@ -179,12 +190,17 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
     scaler.unscale_(optimizer)
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    loss_value, norm_value = (loss_sum / t.grad_accum).item(), grad_norm.item()
-    if scaler.is_enabled() or (math.isfinite(loss_value) and math.isfinite(norm_value)):
+    loss_mean = loss_sum / t.grad_accum
+    if scaler.is_enabled():
+        good = torch.isfinite(loss_mean)
         scaler.step(optimizer)
         scaler.update()
+    else:
+        good = torch.isfinite(loss_mean) & torch.isfinite(grad_norm)
+        optimizer.found_inf = (~good).float()
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value
+    return loss_mean, grad_norm, good
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     """AdamW over two groups: the weights of Linear layers decay, everything else does not.
 
     The tied token embedding is the language-model head's weight, so it decays with the matmuls;
-    the learned position table, norms and biases do not. The fused kernel is used on CUDA.
+    the learned position table, norms and biases do not. The fused implementation (CUDA and CPU)
+    is required: it can skip a step on the device (``found_inf``) without a host sync.
     """
     matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     params = dict(model.named_parameters())
@@ -22,7 +23,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda"
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True
     )
 
 
