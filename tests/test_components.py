@@ -97,3 +97,20 @@ def test_checkpoints_are_atomic_pruned_and_a_damaged_newest_falls_back(tmp_path)
     assert path.name == "step_0000020.pt" and state["step"] == 20
     with pytest.raises(UserError, match="is corrupt"):
         load_checkpoint(newest)
+
+
+@pytest.mark.parametrize("threshold,start,step,want", [(37, 1, 1, 37), (1000, 1, 1, 512), (0, 1, 1, 0), (5000, 256, 256, 4864)])
+def test_fit_search_finds_the_largest_passing_value(threshold, start, step, want):
+    from training.fit import largest_passing
+
+    tried = []
+    fits = lambda n: tried.append(n) or n <= threshold
+    assert largest_passing(fits, start, 512 if step == 1 else 131072, step) == want
+    assert len(tried) < 25
+
+
+def test_batch_size_auto_needs_a_gpu():
+    from training.fit import auto_batch_size
+
+    with pytest.raises(UserError, match="trainer.batch_size=auto"):
+        auto_batch_size(ModelConfig(vocab_size=64), AttentionConfig(), torch.device("cpu"), torch.float32)

@@ -5,7 +5,7 @@ wrong type fails when the config is composed. ``validate`` checks the values tha
 (choices, ranges, combinations) and raises UserError naming the option.
 """
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -38,7 +38,7 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     max_steps: int = 2000
-    batch_size: int = 32  # sequences per micro-batch
+    batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
     grad_clip: float = 1.0  # 0 disables clipping
     eval_interval: int = 250
@@ -49,6 +49,7 @@ class TrainerConfig:
     resume: str = "auto"  # auto | none | <path to a checkpoint file>
     seed: int = 1337
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
+    vram_budget_gb: Optional[float] = None  # cap GPU memory to act like a smaller card
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     run_name: str = "${model.name}-${attention.name}-${data.name}"
@@ -107,7 +108,11 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.dtype", t.dtype, DTYPES)
-    for key in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+    if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int) or t.batch_size <= 0):
+        raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
+    if t.vram_budget_gb is not None:
+        _positive("trainer.vram_budget_gb", t.vram_budget_gb)
+    for key in ("max_steps", "grad_accum", "eval_interval", "eval_iters",
                 "log_interval", "ckpt_interval", "keep_checkpoints", "max_bad_steps"):
         _positive(f"trainer.{key}", getattr(t, key))
     _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)

@@ -27,6 +27,7 @@ from training.checkpoint import (
 )
 from training.config import TrainConfig, TrainerConfig
 from training.errors import UserError
+from training.fit import apply_vram_budget, auto_batch_size
 from training.loggers import MetricsLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at, set_lr
@@ -39,6 +40,21 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_s
 
 class TrainingStopped(UserError):
     """The run cannot go on (non-finite loss for too many steps); the last good checkpoint is kept."""
+
+
+class OutOfMemory(UserError):
+    """A training step ran out of GPU memory; the last finished step was saved."""
+
+    def __init__(self, step: int, saved: Optional[Path], budget_gb: Optional[float]):
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        limit = f" of the trainer.vram_budget_gb={budget_gb:g} GiB budget" if budget_gb else ""
+        kept = f"; step {step - 1} is saved in {saved}" if saved else ""
+        super().__init__(
+            f"out of GPU memory at step {step} (peak {peak:.2f} GiB allocated{limit}){kept}. Try a smaller "
+            "trainer.batch_size with a larger trainer.grad_accum (same tokens per step), attention=flash or "
+            "hybrid instead of naive, model.activation_checkpointing=true, or a shorter model.block_size "
+            "(scripts/fit.py finds what fits)"
+        )
 
 
 class Interrupted(Exception):
@@ -59,16 +75,21 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(t.device)
     dtype = resolve_dtype(t.dtype, device)
+    apply_vram_budget(device, t.vram_budget_gb)
     torch.manual_seed(t.seed)
 
     data = prepare(cfg.data)
     tokenizer = load_tokenizer(data.manifest)
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
+    batch_size = t.batch_size
+    if batch_size == "auto":
+        batch_size = auto_batch_size(model_cfg, cfg.attention, device, dtype)
+        print(f"trainer.batch_size=auto: {batch_size} sequences per micro-batch fit")
     attend, backend = build_attention(cfg.attention, device)
     model = GPT(model_cfg, attend).to(device)
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
-    loader_args = dict(block_size=model_cfg.block_size, batch_size=t.batch_size, device=device,
+    loader_args = dict(block_size=model_cfg.block_size, batch_size=batch_size, device=device,
                        eot_id=data.eot_id, document_mask=cfg.data.document_mask)
     train_loader = BatchLoader(data.train_path, data.dtype, seed=t.seed, **loader_args)
     val_loader = BatchLoader(data.val_path, data.dtype, seed=t.seed + 1, **loader_args)
@@ -82,7 +103,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     logger = MetricsLogger(run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config_dict, wandb_id)
     n_params = model.num_params()
-    tokens_per_step = t.batch_size * t.grad_accum * model_cfg.block_size
+    tokens_per_step = batch_size * t.grad_accum * model_cfg.block_size
     meter = ThroughputMeter(device, flops_per_token(model_cfg, n_params, model_cfg.block_size),
                             peak_tflops(device, t.peak_tflops))
     logger.message(
@@ -104,12 +125,11 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
             try:
                 loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
-            except torch.OutOfMemoryError:
+            except torch.OutOfMemoryError as err:
                 optimizer.zero_grad(set_to_none=True)
-                if step - 1 > start_step:
-                    logger.message(f"out of memory at step {step}: saved {save(step - 1, loader_before)}")
+                saved = save(step - 1, loader_before) if step - 1 > start_step else None
                 logger.close()
-                raise
+                raise OutOfMemory(step, saved, t.vram_budget_gb) from err
             bad_streak = (bad_streak + 1) * (~good)
             worst_streak = torch.maximum(worst_streak, bad_streak)
             meter.tick(tokens_per_step)
