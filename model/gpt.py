@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attend
 from model.config import ModelConfig
+from model.loss import lm_loss
 
 
 def rope_tables(T: int, head_dim: int, device: torch.device, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +140,9 @@ class GPT(nn.Module):
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """idx, targets: (B, T) token ids; doc_ids: (B, T) document index or None.
 
-        Returns (logits, loss): logits (B, T, V) when no targets are given, else the last position's
-        logits (B, 1, V) and the mean cross-entropy over all positions.
+        Returns (logits, loss): logits (B, T, V) and None when no targets are given; with targets,
+        None and the mean cross-entropy over all positions, computed in chunks so the full logits
+        never exist (model/loss.py).
         """
         B, T = idx.shape
         x = self.wte(idx)
@@ -158,9 +160,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits[:, -1:], loss
+        return None, lm_loss(x, self.lm_head.weight, targets)
 
     @torch.no_grad()
     def generate(

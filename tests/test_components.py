@@ -114,3 +114,26 @@ def test_batch_size_auto_needs_a_gpu():
 
     with pytest.raises(UserError, match="trainer.batch_size=auto"):
         auto_batch_size(ModelConfig(vocab_size=64), AttentionConfig(), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_loss_equals_cross_entropy_with_gradients(chunk):
+    import torch.nn.functional as F
+
+    from model.loss import lm_loss
+
+    gen = torch.Generator().manual_seed(chunk)
+    h = torch.randn(2, 30, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(50, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randint(0, 50, (2, 30), generator=gen)
+    got = lm_loss(h, w, y, chunk)
+    want = F.cross_entropy((h @ w.T).view(-1, 50), y.view(-1))
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.autograd.gradcheck(lambda h, w: lm_loss(h, w, y, chunk), (h, w))
+
+
+def test_model_compiles_with_no_graph_break():
+    model = tiny_gpt(pos="rope")
+    x = torch.randint(0, 64, (2, 16))
+    explained = torch._dynamo.explain(model)(x, x)
+    assert explained.graph_break_count == 0, explained.break_reasons
