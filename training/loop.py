@@ -3,6 +3,7 @@
 ``train(cfg, run_dir)`` is everything `python train.py` does after the config is composed.
 """
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -111,6 +112,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         f"{tokens_per_step:,} tokens/step | run dir {run_dir}"
         + (f" | resumed at step {start_step}" if start_step else "")
     )
+    write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
     step_model = torch.compile(model) if t.compile else model
 
     started = time.perf_counter()
@@ -178,6 +180,28 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         (run_dir / "sample.txt").write_text(sample)
         print(f"--- sample after {t.max_steps} steps ---\n{sample}\n---")
     return {"step": t.max_steps, "loss": loss, "val_loss": val_loss, "backend": backend, "elapsed_s": elapsed, "sample": sample}
+
+
+def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int) -> None:
+    """run.json: what actually ran (the backend after any fallback, the GPU, the versions)."""
+    info = {
+        "attention": backend,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": dtype_name(dtype),
+        "torch": torch.__version__,
+        "triton": triton_version_or_none(),
+        "params": n_params,
+        "batch_size": batch_size,
+    }
+    (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def triton_version_or_none():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def resolve_vocab(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:

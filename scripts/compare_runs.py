@@ -1,0 +1,141 @@
+"""Compare training runs end to end: one table and plots from their run folders.
+
+    python train.py experiment=compare_backends model=tiny        # a multirun, one job per backend
+    python scripts/compare_runs.py multirun/2026-11-23_10-00-00 --out compare/
+    python scripts/compare_runs.py outputs/gpt2-flash-shakespeare outputs/gpt2-sdpa-shakespeare
+
+A folder with metrics.jsonl is a run; any other folder stands for the runs in its sub-folders.
+tokens/s and MFU are medians over the log records after the first (which holds compilation and
+warm-up); peak VRAM is the largest record.
+"""
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from training.cli import fail  # noqa: E402
+
+COLUMNS = ("run", "backend", "model", "tokens_per_s", "mfu", "peak_vram_mb", "train_loss", "val_loss", "wall_s", "steps")
+
+
+def find_runs(paths):
+    runs = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").is_file():
+            runs.append(p)
+        elif p.is_dir():
+            runs.extend(sorted(d for d in p.iterdir() if (d / "metrics.jsonl").is_file()))
+        else:
+            fail(f"{p} is not a run folder (no metrics.jsonl) nor a folder of runs")
+    if not runs:
+        fail(f"no run folders (with metrics.jsonl) under {', '.join(paths)}")
+    return runs
+
+
+def load_run(folder: Path) -> dict:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("loss") is not None]
+    evals = [r for r in records if r.get("val_loss") is not None]
+    cfg = OmegaConf.load(folder / "config.yaml") if (folder / "config.yaml").is_file() else OmegaConf.create()
+    steady = train[1:] or train
+
+    def median(key):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    peaks = [r["peak_vram_mb"] for r in train if r.get("peak_vram_mb") is not None]
+    asked = OmegaConf.select(cfg, "attention.name", default="?")
+    ran = json.loads((folder / "run.json").read_text())["attention"] if (folder / "run.json").is_file() else asked
+    return {
+        "run": folder.name,
+        "backend": asked if ran == asked else f"{asked} (ran {ran})",
+        "model": OmegaConf.select(cfg, "model.name", default="?"),
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "peak_vram_mb": max(peaks) if peaks else None,
+        "train_loss": train[-1]["loss"] if train else None,
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "wall_s": records[-1].get("elapsed_s") if records else None,
+        "steps": max((r["step"] for r in records), default=0),
+        "curve": [(r["step"], r["elapsed_s"], r["loss"]) for r in train],
+    }
+
+
+def fmt(key, value) -> str:
+    if value is None:
+        return "n/a"
+    if key == "tokens_per_s":
+        return f"{value:,.0f}"
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if key in ("peak_vram_mb", "wall_s"):
+        return f"{value:,.1f}"
+    if key in ("train_loss", "val_loss"):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def markdown(rows) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(k, r[k]) for k in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for x_index, name, label in ((0, "loss_vs_step.png", "step"), (1, "loss_vs_time.png", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in rows:
+            ax.plot([c[x_index] for c in r["curve"]], [c[2] for c in r["curve"]], label=f"{r['backend']} ({r['run']})")
+        ax.set_xlabel(label)
+        ax.set_ylabel("train loss")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [f"{r['backend']}\n{r['run']}" for r in rows]
+    left.bar(names, [r["tokens_per_s"] or 0 for r in rows])
+    left.set_title("tokens/s")
+    right.bar(names, [r["peak_vram_mb"] or 0 for r in rows])
+    right.set_title("peak VRAM (MB)")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "throughput_memory.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", help="run folders or folders of runs (a multirun folder)")
+    p.add_argument("--out", help="folder for table.md, table.csv and the PNG plots")
+    args = p.parse_args(argv)
+    rows = [load_run(f) for f in find_runs(args.paths)]
+    table = markdown(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(table + "\n")
+        with open(out / "table.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, out)
+        print(f"wrote table.md, table.csv, loss_vs_step.png, loss_vs_time.png, throughput_memory.png to {out}")
+
+
+if __name__ == "__main__":
+    main()
