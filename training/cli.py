@@ -47,7 +47,9 @@ def check_overrides(args: List[str]) -> None:
         if "." not in key and key in GROUPS:
             _check_choice(key, override)
         else:
-            _check_key(key)
+            field = _check_key(key)
+            if field is not None and not override.is_sweep_override():
+                _check_type(key, field, override.value())
 
 
 def _check_choice(group: str, override) -> None:
@@ -58,18 +60,41 @@ def _check_choice(group: str, override) -> None:
             fail(f"{group}={value} is not a config; choose one of: {', '.join(choices)}")
 
 
-def _check_key(key: str) -> None:
-    node, path = TrainConfig, []
+def _check_key(key: str):
+    """The dataclass field ``key`` names (None inside a list or dict value); fail on an unknown key."""
+    node, path, field = TrainConfig, [], None
     for part in key.split("."):
-        if not (dataclasses.is_dataclass(node)):
-            return  # inside a list or dict value; OmegaConf checks the rest
+        if not dataclasses.is_dataclass(node):
+            return None  # inside a list or dict value; OmegaConf checks the rest
         fields = {f.name: f for f in dataclasses.fields(node)}
         if part not in fields:
             where = ".".join(path) or "the top level"
             valid = sorted(fields) + (["experiment"] if not path else [])
             fail(f"unknown option {key!r}: {where} has no key {part!r}; valid keys: {', '.join(valid)}")
         path.append(part)
-        node = fields[part].default_factory() if fields[part].default_factory is not dataclasses.MISSING else None
+        field = fields[part]
+        node = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+    return field
+
+
+def _check_type(key: str, field, value) -> None:
+    """An int/float/bool option given a value of another kind fails here, in one line."""
+    kind = field.type
+    optional = getattr(kind, "__args__", None)
+    if optional and type(None) in optional:
+        if value is None:
+            return
+        kind = next(a for a in optional if a is not type(None))
+    if value is None and not optional:
+        fail(f"{key} cannot be null")
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+    }.get(kind, True)
+    if not ok:
+        example = {int: "an integer, e.g. 100", float: "a number, e.g. 0.1", bool: "true or false"}[kind]
+        fail(f"{key}={value} has the wrong type: it takes {example}")
 
 
 def machine_defaults(args: List[str]) -> List[str]:

@@ -1,0 +1,244 @@
+"""Fault injection: kills, interrupted saves, signals, non-finite losses, out-of-memory, damaged files.
+
+What a user may rely on: a run never loses more than the steps since its last checkpoint, never
+picks up a half-written checkpoint, and resumes to exactly the numbers an uninterrupted run gives
+(CPU, fp32).
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_env, tiny_config
+from training import loop
+from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from training.cli import exit_on_user_error
+from training.errors import UserError
+
+VOLATILE = ("tokens_per_s", "elapsed_s")
+
+
+def metrics(run_dir: Path):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in VOLATILE} for line in lines]
+
+
+def train_cmd(run_dir: Path, cache: str, max_steps: int = 60, extra=()):
+    return [sys.executable, "train.py", "model=tiny", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+            "model.block_size=32", "model.dropout=0.1", "data=shakespeare_char", f"data.cache_dir={cache}",
+            "trainer.device=cpu", "trainer.dtype=fp32", f"trainer.max_steps={max_steps}", "trainer.batch_size=4",
+            "trainer.log_interval=5", "trainer.eval_interval=20", "trainer.eval_iters=2", "trainer.ckpt_interval=5",
+            "trainer.keep_checkpoints=3", "trainer.sample_tokens=0", "logger.progress=false",
+            f"hydra.run.dir={run_dir}", *extra]
+
+
+def start(cmd):
+    return subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(run_dir: Path, at_least: int, proc, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = [int(p.stem.split("_")[1]) for p in list_checkpoints(run_dir)]
+        if steps and max(steps) >= at_least:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {at_least}: {proc.stderr.read()}")
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint at step {at_least} within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, data_cache):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    proc = subprocess.run(train_cmd(run_dir, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+def test_sigkill_at_random_steps_then_resume_matches_the_uninterrupted_run(tmp_path, data_cache, reference_run):
+    rng = random.Random(0)
+    run_dir = tmp_path / "run"
+    for kill_after in (10, 25, 45):
+        proc = start(train_cmd(run_dir, data_cache))
+        wait_for_checkpoint(run_dir, kill_after, proc)
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc = subprocess.run(train_cmd(run_dir, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from" in proc.stdout
+    assert metrics(run_dir) == metrics(reference_run)
+    final = lambda d: load_checkpoint(d / "checkpoints" / "step_0000060.pt")["model"]
+    a, b = final(run_dir), final(reference_run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_is_exact(tmp_path, data_cache, reference_run):
+    run_dir = tmp_path / "run"
+    proc = start(train_cmd(run_dir, data_cache, extra=["trainer.ckpt_interval=1000"]))
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM: saving a checkpoint after this step" in err and "start the same command again to resume" in err
+    saved = list_checkpoints(run_dir)
+    assert len(saved) == 1
+    resumed = subprocess.run(train_cmd(run_dir, data_cache, extra=["trainer.ckpt_interval=1000"]), cwd=REPO,
+                             env=run_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert metrics(run_dir) == metrics(reference_run)
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    slow_steps = ["model.n_embd=256", "model.n_head=4", "model.n_layer=4", "model.block_size=128", "trainer.batch_size=32"]
+    proc = start(train_cmd(run_dir, data_cache, max_steps=100000, extra=slow_steps))
+    while not (run_dir / "metrics.jsonl").is_file():
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "SIGINT again: exiting now" in err
+
+
+SAVE_LOOP = """
+import sys, torch
+from training.checkpoint import save_checkpoint
+step = 0
+while True:
+    step += 1
+    save_checkpoint(sys.argv[1], step, {"step": step, "model": {"w": torch.full((200_000,), float(step))}}, keep=2)
+"""
+
+
+def test_sigkill_during_saves_never_leaves_a_damaged_latest_checkpoint(tmp_path):
+    rng = random.Random(1)
+    for trial in range(3):
+        run_dir = tmp_path / f"t{trial}"
+        proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(run_dir)], cwd=REPO, env=run_env())
+        while not list_checkpoints(run_dir):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 0.5))
+        proc.kill()
+        proc.wait()
+        path, state = latest_checkpoint(run_dir)
+        assert state["step"] == int(path.stem.split("_")[1])
+        assert torch.equal(state["model"]["w"], torch.full((200_000,), float(state["step"])))
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_a_save_interrupted_at_any_point_keeps_the_previous_checkpoint(tmp_path, monkeypatch, trial):
+    """Break the writer at a random point: inside torch.save, at fsync, or at the rename."""
+    save_checkpoint(tmp_path, 1, {"step": 1, "model": {"w": torch.ones(1000)}}, keep=2)
+    rng = random.Random(trial)
+    where = rng.choice(["torch.save", "os.fsync", "os.replace"])
+    real_save = torch.save
+
+    def partial_save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.truncate(rng.randrange(1, f.tell()))
+        raise KeyboardInterrupt("killed while writing")
+
+    def broken(*args, **kwargs):
+        raise KeyboardInterrupt(f"killed at {where}")
+
+    if where == "torch.save":
+        monkeypatch.setattr(torch, "save", partial_save)
+    else:
+        monkeypatch.setattr(os, where.split(".")[1], broken)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, {"step": 2, "model": {"w": torch.full((1000,), 2.0)}}, keep=2)
+    monkeypatch.undo()
+    path, state = latest_checkpoint(tmp_path)
+    assert state["step"] == 1 and path.name == "step_0000001.pt"
+
+
+def test_non_finite_losses_stop_the_run_without_saving_a_nan_model(tmp_path, data_cache, monkeypatch):
+    from model.gpt import GPT
+
+    real_forward = GPT.forward
+    calls = {"n": 0}
+
+    def poisoned(self, idx, targets=None, doc_ids=None):
+        logits, loss = real_forward(self, idx, targets, doc_ids)
+        if self.training and targets is not None:
+            calls["n"] += 1
+            if calls["n"] > 6:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    cfg = tiny_config(data_cache, max_steps=30, log_interval=1, ckpt_interval=1, max_bad_steps=3, keep_checkpoints=50)
+    with pytest.raises(loop.TrainingStopped, match="not finite for 3 steps in a row.*step_0000006.pt"):
+        loop.train(cfg, tmp_path)
+    saved = list_checkpoints(tmp_path)
+    assert saved[-1].name == "step_0000006.pt"
+    for path in saved:
+        assert all(torch.isfinite(t).all() for t in load_checkpoint(path)["model"].values())
+
+
+def test_out_of_memory_saves_the_last_finished_step_and_advises(tmp_path, data_cache, monkeypatch, capsys):
+    real_step = loop.train_step
+    calls = {"n": 0}
+
+    def step_then_oom(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", step_then_oom)
+    cfg = tiny_config(data_cache, max_steps=20, ckpt_interval=100)
+    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+        loop.train(cfg, tmp_path)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    for hint in ("out of GPU memory at step 7", "step 6 is saved", "trainer.batch_size", "trainer.grad_accum",
+                 "attention=flash", "model.activation_checkpointing=true"):
+        assert hint in err
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000006.pt"]
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(tmp_path, data_cache):
+    cfg = tiny_config(data_cache, max_steps=20, ckpt_interval=5)
+    loop.train(cfg, tmp_path)
+    newest = list_checkpoints(tmp_path)[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])
+    cfg.trainer.max_steps = 25
+    with pytest.warns(UserWarning, match=r"step_0000020.pt is corrupt.*falling back"):
+        summary = loop.train(cfg, tmp_path)
+    assert summary["step"] == 25
+
+
+def test_checkpoints_never_unpickle_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"step": 1, "model": Evil()}, path)
+    with pytest.raises(UserError, match="is corrupt or not a nanoflash checkpoint"):
+        load_checkpoint(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_config_strings_are_data_not_code(tmp_path, data_cache):
+    marker = tmp_path / "pwned"
+    payload = f'__import__("os").system("touch {marker}")'
+    proc = subprocess.run(train_cmd(tmp_path / "run", data_cache, max_steps=1, extra=[f"data.path='{payload}'"]),
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert not marker.exists()
