@@ -1,16 +1,22 @@
 """Tokenizers: GPT-2 BPE through tiktoken, offline, and a character-level one.
 
+Both offer ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``encode_batch(texts, num_threads)``,
+``vocab_size``, ``eot_id`` (None for char) and ``name``.
+
 The GPT-2 vocabulary files ship in data/gpt2/ (byte-identical to the ones tiktoken downloads; the
 sha256 of each is checked), so no network is needed. The char vocabulary is the sorted set of the
-corpus' characters and is saved in the token cache's manifest.
+corpus' characters; it is saved in the token cache's manifest so the tokenizer can be rebuilt from
+the cache alone. The char tokenizer has no end-of-text token: documents are concatenated as they are.
 """
 import hashlib
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+from data.config import TOKENIZERS
 
 GPT2_DIR = Path(__file__).resolve().parent / "gpt2"
 GPT2_FILES = {
@@ -38,11 +44,14 @@ class GPT2Tokenizer:
     vocab_size = 50257
     eot_id: Optional[int] = 50256
 
-    def encode(self, text: str) -> List[int]:
-        """Ordinary text only: a literal "<|endoftext|>" in the corpus is encoded as plain text."""
+    def encode(self, text: str, allow_eot: bool = False) -> List[int]:
+        """A literal "<|endoftext|>" is plain text (several tokens) unless ``allow_eot``: then it is 50256."""
+        if allow_eot:
+            return gpt2_encoding().encode(text, allowed_special={EOT})
         return gpt2_encoding().encode_ordinary(text)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        """Ordinary text only, like ``encode``; ``num_threads`` tiktoken threads."""
         return gpt2_encoding().encode_ordinary_batch(list(texts), num_threads=num_threads)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -50,7 +59,7 @@ class GPT2Tokenizer:
 
 
 class CharTokenizer:
-    """One token per character of a fixed vocabulary (no end-of-text token)."""
+    """One token per character of a fixed vocabulary ``chars`` (no end-of-text token)."""
 
     name = "char"
     eot_id: Optional[int] = None
@@ -77,8 +86,22 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids)
 
 
-def load_tokenizer(manifest: dict):
-    """The tokenizer a token cache was made with, from its manifest."""
-    if manifest["tokenizer"] == "char":
-        return CharTokenizer(manifest["chars"])
-    return GPT2Tokenizer()
+Tokenizer = Union[GPT2Tokenizer, CharTokenizer]
+
+
+def load_tokenizer(manifest_or_name: Union[dict, str]) -> Tokenizer:
+    """The tokenizer of a token cache (its manifest dict), or "gpt2" by name.
+
+    "char" needs the manifest: its vocabulary comes from the corpus.
+    """
+    if isinstance(manifest_or_name, dict):
+        name = manifest_or_name["tokenizer"]
+        if name == "char":
+            return CharTokenizer(manifest_or_name["chars"])
+    else:
+        name = manifest_or_name
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "char":
+        raise ValueError("the char tokenizer's vocabulary lives in a token cache: pass its manifest")
+    raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
