@@ -12,10 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from data.config import DataConfig  # noqa: E402
-from data.prepare import prepare, summary  # noqa: E402
+from data.prepare import prepare_from_config, summary  # noqa: E402
 from training.cli import check_overrides, exit_on_user_error  # noqa: E402
 from training.config import register_configs  # noqa: E402
 
@@ -25,8 +24,7 @@ register_configs()
 @hydra.main(config_path=str(ROOT / "configs"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        data_cfg = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
-        print(summary(prepare(data_cfg)))
+        print(summary(prepare_from_config(cfg.data)))
 
 
 if __name__ == "__main__":
