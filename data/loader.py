@@ -1,10 +1,14 @@
 """Batches of random windows from a token cache, reproducible from the seed and resumable.
 
-Batch i of rank r is drawn from a generator seeded by (seed, r, i), so a run that resumes needs only
-the number of batches drawn, and ranks draw independent streams.
+Batch i of rank r is drawn from a generator seeded by (seed, r, i), so a run that resumes needs
+only the number of batches drawn (``state_dict``), and ranks draw independent streams.
+
+Documents (data.document_mask): doc_ids[b, t] is the index, within row b, of the document token
+x[b, t] belongs to. It counts the end-of-text tokens before t: an end-of-text token ends (belongs
+to) its document, and the next document starts right after it. Row starts also start a document.
 """
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -18,16 +22,17 @@ class BatchLoader:
     def __init__(
         self,
         bin_path: Path,
-        dtype: str,
+        dtype: Union[str, np.dtype],
         block_size: int,
         batch_size: int,
         seed: int,
-        device: torch.device,
+        device: Union[str, torch.device],
         rank: int = 0,
+        world_size: int = 1,
         eot_id: Optional[int] = None,
         document_mask: bool = False,
     ):
-        self.tokens = np.memmap(bin_path, dtype=np.dtype(dtype), mode="r")
+        self.tokens = np.memmap(bin_path, dtype=np.dtype(dtype), mode="r")  # (N,)
         if len(self.tokens) < block_size + 1:
             raise UserError(
                 f"{bin_path} holds {len(self.tokens):,} tokens, fewer than model.block_size + 1 = {block_size + 1}; "
@@ -35,6 +40,8 @@ class BatchLoader:
             )
         if document_mask and eot_id is None:
             raise UserError("data.document_mask=true needs a tokenizer with an end-of-text token (data.tokenizer=gpt2)")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.block_size, self.batch_size, self.seed, self.rank = block_size, batch_size, seed, rank
         self.device = torch.device(device)
         self.eot_id = eot_id if document_mask else None
@@ -46,28 +53,39 @@ class BatchLoader:
     def load_state_dict(self, state: dict) -> None:
         self.batches_drawn = int(state["batches_drawn"])
 
-    def _generator(self) -> torch.Generator:
-        key = (self.seed * 1_000_003 + self.rank) * 1_000_003 + self.batches_drawn
-        return torch.Generator().manual_seed(key % 2**63)
-
     def next_batch(self) -> Batch:
-        """x, y: (B, T) int64, y = x shifted by one; doc_ids: (B, T) int32 or None.
-
-        doc_ids[b, t] counts the end-of-text tokens before position t in the row: a document's own
-        end-of-text token belongs to it, and the next document starts right after.
-        """
+        """x, y: (B, T) int64, y the token after each of x's (x shifted by one in the data);
+        doc_ids: (B, T) int32 document index within each row (see the module docstring), or None."""
         T = self.block_size
-        starts = torch.randint(0, len(self.tokens) - T, (self.batch_size,), generator=self._generator())
+        rng = np.random.default_rng([self.seed, self.rank, self.batches_drawn])
+        starts = rng.integers(0, len(self.tokens) - T, size=self.batch_size)  # window [s, s + T] fits
         self.batches_drawn += 1
-        rows = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts.tolist()]).astype(np.int64))
+        rows = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts]).astype(np.int64))  # (B, T + 1)
         x, y = rows[:, :-1], rows[:, 1:]
-        doc_ids = None
-        if self.eot_id is not None:
-            is_eot = (x == self.eot_id).to(torch.int32)
-            doc_ids = is_eot.cumsum(dim=1, dtype=torch.int32) - is_eot
+        doc_ids = None if self.eot_id is None else document_ids(x, self.eot_id)
         return tuple(self._to_device(t) for t in (x, y, doc_ids))
 
     def _to_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None or self.device.type == "cpu":
             return t
         return t.contiguous().pin_memory().to(self.device, non_blocking=True)
+
+
+def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """x: (B, T) token ids. Returns (B, T) int32: end-of-text tokens before each position, per row."""
+    is_eot = (x == eot_id).to(torch.int32)
+    return is_eot.cumsum(dim=1, dtype=torch.int32) - is_eot
+
+
+def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """doc_ids: (B, T) non-decreasing per row. Returns (cu_seqlens, max_seqlen) over the flattened
+    (B * T) sequence, where a new row also starts a document: cu_seqlens (N + 1,) int32 on doc_ids'
+    device holds the start of each of the N documents and then B * T. max_seqlen syncs with the device.
+    """
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)  # (B, T)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    begin = torch.nonzero(starts.flatten()).flatten()
+    end = torch.tensor([B * T], device=doc_ids.device)
+    cu_seqlens = torch.cat([begin, end]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
