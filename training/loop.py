@@ -119,17 +119,17 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     loss, val_loss = float("nan"), None
     bad_streak = torch.zeros((), dtype=torch.int64, device=device)  # consecutive bad steps, on the device
     worst_streak = torch.zeros_like(bad_streak)  # longest streak since the last check
-    save = lambda step, loader_state: save_checkpoint(run_dir, step, checkpoint_state(
-        step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device), t.keep_checkpoints)
+    save = lambda step, loader_state, rng=None: save_checkpoint(run_dir, step, checkpoint_state(
+        step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device, rng), t.keep_checkpoints)
     with StopRequest() as stop:
         for step in range(start_step + 1, t.max_steps + 1):
-            loader_before = train_loader.state_dict()
+            loader_before, rng_before = train_loader.state_dict(), rng_state(device)  # an OOM saves the step before
             set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
             try:
                 loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
             except torch.OutOfMemoryError as err:
                 optimizer.zero_grad(set_to_none=True)
-                saved = save(step - 1, loader_before) if step - 1 > start_step else None
+                saved = save(step - 1, loader_before, rng_before) if step - 1 > start_step else None
                 logger.close()
                 raise OutOfMemory(step, saved, t.vram_budget_gb) from err
             bad_streak = (bad_streak + 1) * (~good)
@@ -262,14 +262,15 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> floa
     return (total / iters).item()
 
 
-def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device) -> dict:
+def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device,
+                     rng: Optional[dict] = None) -> dict:
     return {
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
         "loader": loader_state,
-        "rng": rng_state(device),
+        "rng": rng if rng is not None else rng_state(device),
         "config": config,
         "wandb_id": wandb_id,
     }
