@@ -47,7 +47,10 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(folder)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    # Newer files belong to an abandoned timeline (a damaged newest one was skipped, or an older file was
+    # resumed by name): drop them, or they would outrank this save and pruning could delete it.
+    kept = [p for p in list_checkpoints(run_dir) if int(NAME.match(p.name).group(1)) <= step]
+    for old in set(list_checkpoints(run_dir)) - set(kept[-keep:]):
         old.unlink(missing_ok=True)
     return final
 
@@ -75,12 +78,19 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def latest_checkpoint(run_dir: Path) -> Tuple[Optional[Path], Optional[dict]]:
-    """The newest checkpoint that loads, warning about each newer one that does not."""
+    """The newest checkpoint that loads, warning about each newer one that does not (naming the fallback)."""
+    damaged = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path)
+            state = load_checkpoint(path)
         except UserError as err:
-            warnings.warn(f"{err}; falling back to the previous checkpoint", stacklevel=2)
+            damaged.append(err)
+            continue
+        for err in damaged:
+            warnings.warn(f"{err}; falling back to {path} (step {state['step']})", stacklevel=2)
+        return path, state
+    for err in damaged:
+        warnings.warn(f"{err}; no older checkpoint loads, starting from step 0", stacklevel=2)
     return None, None
 
 
