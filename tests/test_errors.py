@@ -19,7 +19,7 @@ CASES = [
     pytest.param(["trainer.device=cuda"], "trainer.device=cuda but PyTorch sees no CUDA GPU", id="cuda-without-gpu"),
     pytest.param(["trainer.dtype=fp16", "trainer.device=cpu"], "trainer.dtype=fp16 needs a CUDA GPU", id="fp16-on-cpu"),
     pytest.param(["trainer.dtype=fp8"], "trainer.dtype='fp8' is not one of auto, bf16, fp16, fp32", id="bad-dtype"),
-    pytest.param(["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive number", id="zero-batch"),
+    pytest.param(["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive integer or auto", id="zero-batch"),
     pytest.param(["model.block_size=-1"], "model.block_size=-1 must be a positive integer", id="negative-block"),
     pytest.param(["optim.schedule=linear"], "optim.schedule='linear' is not one of cosine, wsd, constant", id="bad-schedule"),
     pytest.param(["attention=flash", "attention.strict=true"], "attention=flash cannot run", id="flash-strict-on-cpu"),
