@@ -19,8 +19,18 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records logged after ``last_step`` (work lost since the checkpoint a run resumes from)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)  # a kill here leaves the old file, never half of it
+
+
+def _step_of(line: str) -> Optional[int]:
+    """The step of a metrics line; None for a blank line or one cut short by a kill."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _clean(value):
