@@ -5,6 +5,8 @@ of valid ones) and around the task (so a UserError prints one line and exits wit
 """
 import contextlib
 import dataclasses
+import re
+import signal
 import sys
 from pathlib import Path
 from typing import List, Tuple
@@ -39,7 +41,8 @@ def check_overrides(args: List[str]) -> None:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as err:  # Hydra's grammar errors say where the override is malformed
-        fail(f"cannot parse the overrides: {err}")
+        fail(f"cannot parse the overrides: {str(err).splitlines()[0]}; quote a value with spaces or brackets, "
+             "e.g. 'data.path=\"my file.txt\"'")
     for override in parsed:
         key = override.key_or_group
         if key.startswith("hydra") or override.is_delete():
@@ -78,7 +81,9 @@ def _check_key(key: str):
 
 
 def _check_type(key: str, field, value) -> None:
-    """An int/float/bool option given a value of another kind fails here, in one line."""
+    """An int/float/bool/list option given a value of another kind fails here, in one line."""
+    if isinstance(value, str) and "${" in value:
+        return _check_interpolation(key, value)  # resolved later, to a value of the right type or an error
     kind = field.type
     optional = getattr(kind, "__args__", None)
     if optional and type(None) in optional:
@@ -95,6 +100,17 @@ def _check_type(key: str, field, value) -> None:
     if not ok:
         example = {int: "an integer, e.g. 100", float: "a number, e.g. 0.1", bool: "true or false"}[kind]
         fail(f"{key}={value} has the wrong type: it takes {example}")
+    if getattr(kind, "__origin__", None) is list and not isinstance(value, list):
+        fail(f"{key}={value} has the wrong type: it takes a list, e.g. {key}=[0.9,0.95]")
+
+
+def _check_interpolation(key: str, value: str) -> None:
+    """``${name:...}`` calls an OmegaConf resolver; reject names that are not registered, before Hydra
+    fails on them with a traceback. No resolver evaluates Python."""
+    for name in re.findall(r"(?<!\\)\$\{\s*([\w.-]+)\s*:", value):
+        if not (OmegaConf.has_resolver(name) or name in ("now", "hydra")):  # Hydra registers these two later
+            fail(f"{key}={value}: '{name}' is not a config resolver (there are oc.env, oc.select, oc.decode, "
+                 "oc.create, now, hydra; nothing evaluates Python); write \\${...} for a literal ${")
 
 
 def machine_defaults(args: List[str]) -> List[str]:
@@ -119,12 +135,24 @@ def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
     try:
         typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
-        raise UserError(f"the config does not resolve: {err}") from err
+        where = f" (at {err.full_key})" if getattr(err, "full_key", None) else ""
+        raise UserError(f"the config does not resolve: {str(err).splitlines()[0]}{where}") from err
     validate(typed)
+    for key, value in _strings(dataclasses.asdict(typed)):
+        if "${" in value:  # an escaped \${...}: saving the config would read it as an interpolation again
+            raise UserError(f"{key}={value}: a literal '${{' cannot be kept in a config value; remove it")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed), resolve=True))
     return typed, run_dir
+
+
+def _strings(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _strings(value, f"{prefix}{key}.")
+        elif isinstance(value, str):
+            yield f"{prefix}{key}", value
 
 
 @contextlib.contextmanager
@@ -140,6 +168,9 @@ def exit_on_user_error():
     except Interrupted as stop:
         print(str(stop), file=sys.stderr)
         sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:  # Ctrl-C while preparing data or sampling, where no step is in flight
+        print("interrupted outside the training steps; checkpoints written so far are kept", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 def out_of_memory_advice(err: BaseException) -> str:
