@@ -15,7 +15,6 @@ import pytest  # noqa: E402
 
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
-from model.attention.flash import document_starts  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -58,7 +57,3 @@ def test_flash_backend_matches_sdpa_in_the_model(model_kw, docs):
     assert losses["flash"] == pytest.approx(losses["sdpa"], rel=1e-4)
     torch.testing.assert_close(grads["flash"], grads["sdpa"], atol=1e-4, rtol=1e-3)
 
-
-def test_document_starts_marks_every_document_and_row():
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]], dtype=torch.int32)
-    assert document_starts(doc_ids).tolist() == [0, 2, 5, 6, 8, 10]

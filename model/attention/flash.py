@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from data.loader import cu_seqlens_from_doc_ids
 from kernels import flash_attn
 
 
@@ -21,21 +22,8 @@ def attend(
     if doc_ids is None:
         return flash_attn(q, k, v, causal=True, window_size=window)
     B, T, H, D = q.shape
-    cu_seqlens = document_starts(doc_ids)
+    cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
     packed = (x.reshape(1, B * T, x.shape[2], D) for x in (q, k, v))
     o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens)
     return o.view(B, T, H, D)
 
-
-def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Cumulative document boundaries of the flattened batch.
-
-    doc_ids: (B, T) non-decreasing document index per row. Returns cu_seqlens: (N + 1,) int32 with
-    0 first and B*T last; every row start is also a boundary.
-    """
-    B, T = doc_ids.shape
-    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
-    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    starts = new_doc.flatten().nonzero().flatten().to(torch.int32)
-    end = torch.tensor([B * T], dtype=torch.int32, device=doc_ids.device)
-    return torch.cat([starts, end])
