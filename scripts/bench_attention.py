@@ -1,20 +1,35 @@
 """Micro-benchmark every attention backend: time, TFLOP/s and memory over shapes, OOM included.
 
-    python scripts/bench_attention.py --preset anchors --out bench/          # the six anchor shapes
-    python scripts/bench_attention.py --preset sweep --modes fwd+bwd --out bench/   # T 512..32768 at B*T=32768
-    python scripts/bench_attention.py --B 1 --H 12 --D 64 --T 1024,4096,16384 --vram-budget-gb 8
+    python scripts/bench_attention.py --preset anchors --out bench/anchors      # the six anchor shapes
+    python scripts/bench_attention.py --preset sweep --modes fwd+bwd --out bench/sweep   # T 512..32768, B*T=32768
+    python scripts/bench_attention.py --B 1 --H 12 --D 64 --T 2048,8192,32768,131072 --vram-budget-gb 8
     python scripts/bench_attention.py --device cpu --dtype fp32 --B 1 --H 2 --D 16 --T 64,128   # anywhere
+    python scripts/bench_attention.py --from-json bench/anchors/results.json   # tables and plots again
 
-Backends: naive, hybrid, sdpa, flash (ours) and, on CUDA where PyTorch has them, SDPA forced to
-each of its kernels (sdpa-fa2, sdpa-cudnn, sdpa-efficient) and FlexAttention (flex, compiled, causal
-block mask). Per point: median time (triton.testing.do_bench on CUDA, a perf_counter median on
-CPU), TFLOP/s with causal flops (forward 2*B*H*T^2*D, forward+backward 3.5x), and peak memory
-above the inputs. A backend that runs out of memory is recorded as OOM; one that cannot run here
-is "n/a" with the reason. Before timing, every backend is checked against sdpa on the first shape.
-Writes results.csv, results.json and plots (time, TFLOP/s, memory vs T) under --out.
+Backends: naive, hybrid, sdpa (PyTorch's own choice of kernel), flash (ours) and, on CUDA where the
+installed PyTorch has them, SDPA forced to one kernel (sdpa-fa2, sdpa-cudnn, sdpa-efficient) and
+compiled FlexAttention with a causal block mask (flex). A backend that cannot run here is "n/a"
+with the reason; one that runs out of memory at a shape is "OOM" there and the sweep goes on.
+
+Per point: median time (triton.testing.do_bench on CUDA, a perf_counter median of 5 calls on CPU),
+TFLOP/s with causal flops (forward 2*B*H*T^2*D, forward+backward 3.5x that) and peak memory above
+the inputs (CUDA only; null on CPU), measured after a warm-up call so compilation and autotuning
+buffers are not counted.
+
+Before timing, every backend is checked on the first shape against a float32 reference (output,
+and dq, dk, dv when fwd+bwd is measured); a backend off by more than the dtype's tolerance stops
+the script with exit status 1. --vram-budget-gb caps this process' GPU memory like a smaller card
+(torch.cuda.set_per_process_memory_fraction) and is refused on CPU (exit status 2).
+
+Prints a progress table and, at the end, one table per mode with a column per backend (TFLOP/s,
+ms and peak MB); with --out writes results.json (rows and the environment), results.csv,
+summary.md (those tables) and bench_<mode>.png (time, TFLOP/s and memory against T, log scales).
+Needs torch (and triton for flash and CUDA timing); matplotlib only for the plots.
 """
 import argparse
 import csv
+import datetime
+import gc
 import json
 import statistics
 import sys
@@ -28,22 +43,39 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model.attention import build_attention  # noqa: E402
+from model.attention import build_attention, flash_unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
-from training.cli import fail  # noqa: E402
-from training.fit import apply_vram_budget, free_memory  # noqa: E402
 from training.precision import DTYPES  # noqa: E402
 
-ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 4096, 128), (2, 16, 8192, 128), (1, 16, 16384, 128)]
-SWEEP = [(32768 // T, 12, T, 64) for T in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+# (B, H, T, D)
+ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 4096, 128), (2, 16, 8192, 128),
+           (1, 16, 16384, 128)]
+SWEEP_TOKENS = 32768
+SWEEP = [(SWEEP_TOKENS // T, 12, T, 64) for T in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
+OURS = ("naive", "hybrid", "sdpa", "flash")
+SDPA_KERNELS = {"sdpa-fa2": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
+ALL_BACKENDS = (*OURS, *SDPA_KERNELS, "flex")
+MODES = ("fwd", "fwd+bwd")
+# Largest relative L2 error ||x - ref|| / ||ref|| against the float32 reference. A bf16 result is
+# off by about 4e-3 from rounding alone; fp32 on CUDA allows TF32 tensor-core matmuls (Triton's
+# default for fp32 dots).
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+TOLERANCE_FP32_CUDA = 5e-3
+RATIOS = {"flash / FA2": ("flash", "sdpa-fa2"), "flash / cuDNN": ("flash", "sdpa-cudnn")}
 
 
-def forced_sdpa(backend_name: str):
-    """SDPA restricted to one of its kernels. q, k, v: (B, T, H, D)."""
+def fail(message: str, status: int = 2) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+# --- backends -------------------------------------------------------------------------------------
+
+def forced_sdpa(kernel: str):
+    """SDPA restricted to one of its kernels. q: (B, T, H, D); k, v: (B, T, H_kv, D)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(SDPBackend, backend_name)
+    backend = getattr(SDPBackend, kernel)
 
     def attend(q, k, v):
         with sdpa_kernel(backend):
@@ -55,8 +87,12 @@ def forced_sdpa(backend_name: str):
 
 
 def flex_attention_fn():
+    """Compiled FlexAttention with a causal block mask (one mask per T). Same shapes as above."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compile per shape and mode at most
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     compiled = torch.compile(flex_attention)
     masks = {}
 
@@ -71,36 +107,57 @@ def flex_attention_fn():
     return attend
 
 
-def backends(device: torch.device, names):
-    """{name: attend fn or the reason it cannot run here}."""
+def backends(device: torch.device, names) -> dict:
+    """{name: attend(q, k, v) -> o, or a string saying why it cannot run here}."""
     found = {}
     for name in names:
-        if name in ("naive", "hybrid", "sdpa", "flash"):
+        if name == "flash" and flash_unavailable_reason(device):
+            found[name] = flash_unavailable_reason(device)
+        elif name in OURS:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                attend, actual = build_attention(AttentionConfig(name=name), device)
-            found[name] = attend if actual == name else f"runs as {actual} here (no CUDA GPU or Triton)"
+                found[name], _ = build_attention(AttentionConfig(name=name), device)
         elif device.type != "cuda":
             found[name] = "needs a CUDA GPU"
         elif name == "flex":
             try:
                 found[name] = flex_attention_fn()
-            except ImportError as err:
-                found[name] = f"FlexAttention missing in this PyTorch ({err})"
+            except (ImportError, AttributeError) as err:
+                found[name] = f"this PyTorch has no FlexAttention ({err})"
         else:
-            kernel = {"sdpa-fa2": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}[name]
-            found[name] = forced_sdpa(kernel)
+            try:
+                from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+
+                getattr(SDPBackend, SDPA_KERNELS[name])
+                found[name] = forced_sdpa(SDPA_KERNELS[name])
+            except (ImportError, AttributeError) as err:
+                found[name] = f"this PyTorch cannot force it ({err})"
     return found
 
+
+def first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+# --- measuring ------------------------------------------------------------------------------------
 
 def causal_flops(B, H, T, D, mode) -> float:
     return 2.0 * B * H * T * T * D * (3.5 if mode == "fwd+bwd" else 1.0)
 
 
 def make_inputs(B, H, Hkv, T, D, dtype, device, grad):
+    """q: (B, T, H, D), k and v: (B, T, Hkv, D), standard normal, the same for every backend."""
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = lambda h: (B, T, h, D)
-    return [torch.randn(shape(h), generator=gen, device=device, dtype=dtype).requires_grad_(grad) for h in (H, Hkv, Hkv)]
+    return [torch.randn((B, T, h, D), generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+            for h in (H, Hkv, Hkv)]
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def timed(fn, device) -> float:
@@ -109,7 +166,6 @@ def timed(fn, device) -> float:
         import triton
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
     times = []
     for _ in range(5):
         start = time.perf_counter()
@@ -119,6 +175,7 @@ def timed(fn, device) -> float:
 
 
 def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
+    """{ms, tflops, peak_mb, status: ok|OOM}; any other error propagates."""
     B, H, T, D = shape
     free_memory()
     try:
@@ -131,11 +188,14 @@ def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
                 torch.autograd.grad(o, (q, k, v), grad_out)
 
         step()  # warm-up: compilation and autotuning (whose timing buffers are not the backend's memory)
-        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        peak = None
         if device.type == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
+            step()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = timed(step, device)
         return {"ms": ms, "tflops": causal_flops(B, H, T, D, mode) / (ms * 1e-3) / 1e12, "peak_mb": peak, "status": "ok"}
     except torch.OutOfMemoryError:
@@ -144,110 +204,281 @@ def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
         free_memory()
 
 
-def check_against_sdpa(found, shape, Hkv, dtype, device) -> None:
+# --- correctness ----------------------------------------------------------------------------------
+
+def reference(q, k, v):
+    """Causal attention in float32 through SDPA's math kernel; k, v repeated for GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    G = q.shape[2] // k.shape[2]
+    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(G, dim=1), vh.repeat_interleave(G, dim=1)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2)
+
+
+def outputs(attend, q, k, v, grad_out, grads: bool) -> dict:
+    """{"o": ...} and, with grads, {"dq", "dk", "dv"} for attend at these inputs."""
+    q, k, v = (x.detach().requires_grad_(grads) for x in (q, k, v))
+    o = attend(q, k, v)
+    found = {"o": o.detach()}
+    if grads:
+        found.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, (q, k, v), grad_out.to(o.dtype))))
+    return found
+
+
+def relative_error(x, ref) -> float:
+    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_backends(found: dict, shape, Hkv, dtype, device, grads: bool) -> dict:
+    """Compare every runnable backend with the float32 reference at ``shape``.
+
+    Returns {name: {"o": err, "dq": err, ...}}. Optional backends (forced SDPA kernels, flex) that
+    raise here become "n/a" in ``found``; ours raise. Exits with status 1 when one is off.
+    """
     B, H, T, D = shape
-    q, k, v = make_inputs(B, H, Hkv, T, D, dtype, device, grad=False)
-    ref = found["sdpa"](q, k, v) if callable(found.get("sdpa")) else None
-    if ref is None:
-        return
+    tol = TOLERANCE_FP32_CUDA if dtype == torch.float32 and device.type == "cuda" else TOLERANCE[dtype]
+    try:
+        q, k, v = make_inputs(B, H, Hkv, T, D, dtype, device, grad=False)
+        grad_out = torch.randn_like(q)
+        ref = outputs(reference, q, k, v, grad_out.float(), grads)
+    except torch.OutOfMemoryError:
+        print(f"# correctness check skipped: the float32 reference does not fit at (B,H,T,D)={shape}")
+        return {}
+    errors, wrong = {}, []
     for name, attend in found.items():
-        if callable(attend):
-            out = attend(q, k, v).float()
-            err = ((out - ref.float()).norm() / ref.float().norm()).item()
-            if not err < TOLERANCE[dtype]:
-                fail(f"{name} disagrees with sdpa at (B,H,T,D)={shape}: relative error {err:.2e}")
+        if not callable(attend):
+            continue
+        try:
+            got = outputs(attend, q, k, v, grad_out, grads)
+        except torch.OutOfMemoryError:
+            print(f"# {name}: correctness check skipped (OOM at the first shape)")
+            continue
+        except Exception as err:
+            if name in OURS:
+                raise
+            found[name] = f"fails at the first shape ({first_line(err)})"
+            continue
+        errors[name] = {key: relative_error(got[key], ref[key]) for key in ref}
+        wrong += [f"{name} {key} relative error {err:.2e}" for key, err in errors[name].items() if not err <= tol]
+        del got
+    free_memory()
+    if wrong:
+        fail(f"backends disagree with the float32 reference at (B,H,T,D)={shape}, Hkv={Hkv}, tolerance {tol:g}: "
+             + "; ".join(wrong), status=1)
+    worst = {name: max(e.values()) for name, e in errors.items()}
+    print(f"# checked against float32 at (B,H,T,D)={shape} ({'o, dq, dk, dv' if grads else 'o'}; tolerance {tol:g}): "
+          + ", ".join(f"{name} {err:.1e}" for name, err in worst.items()))
+    return errors
 
 
-def plot(rows, out: Path) -> None:
+# --- output ---------------------------------------------------------------------------------------
+
+def fmt(value) -> str:
+    return f"{value:.3g}" if value is not None else "n/a"
+
+
+def cell(row, key) -> str:
+    return fmt(row[key]) if row["status"] == "ok" else row["status"]
+
+
+def header(meta) -> str:
+    return (f"# {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, causal"
+            + (f", budget {meta['budget_gb']:g} GiB" if meta.get("budget_gb") else "") + f", {meta['date']}")
+
+
+def pivot(rows, mode, key) -> str:
+    """One line per shape, one column per backend (and our ratios when both sides ran)."""
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    ratios = {label: pair for label, pair in RATIOS.items() if key == "tflops" and set(pair) <= set(names)}
+    shapes = list(dict.fromkeys((r["B"], r["H"], r["Hkv"], r["T"], r["D"]) for r in rows if r["mode"] == mode))
+    lines = ["| B | H | H_kv | T | D | " + " | ".join(names + list(ratios)) + " |", "|---" * (5 + len(names) + len(ratios)) + "|"]
+    for shape in shapes:
+        at = {r["backend"]: r for r in rows if r["mode"] == mode and (r["B"], r["H"], r["Hkv"], r["T"], r["D"]) == shape}
+        cells = [cell(at[n], key) if n in at else "" for n in names]
+        for a, b in ratios.values():
+            ok = a in at and b in at and at[a]["status"] == at[b]["status"] == "ok"
+            cells.append(f"{at[a]['tflops'] / at[b]['tflops']:.2f}x" if ok else "")
+        lines.append("| " + " | ".join(map(str, shape)) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows, meta) -> str:
+    parts = [header(meta), f"# command: {meta['command']}"]
+    parts += [f"# {name}: n/a ({reason})" for name, reason in meta["unavailable"].items()]
+    titles = {"tflops": "TFLOP/s (causal)", "ms": "median ms", "peak_mb": "peak MB above inputs"}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for key, title in titles.items():
+            if key == "peak_mb" and all(r["peak_mb"] is None for r in rows):
+                continue
+            parts.append(f"\n## {mode}: {title}\n\n" + pivot(rows, mode, key))
+    return "\n".join(parts) + "\n"
+
+
+def write_results(rows, meta, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["mode", "B", "H", "Hkv", "T", "D", "backend", "ms", "tflops", "peak_mb", "status"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows, meta, out: Path) -> None:
+    """bench_<mode>.png: time, TFLOP/s and peak memory against T (or against the shape when T repeats)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for mode in sorted({r["mode"] for r in rows}):
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        at_mode = [r for r in rows if r["mode"] == mode]
+        shapes = list(dict.fromkeys((r["B"], r["H"], r["T"], r["D"]) for r in at_mode))
+        by_T = len({s[2] for s in shapes}) == len(shapes)
+        x_of = (lambda r: r["T"]) if by_T else (lambda r: shapes.index((r["B"], r["H"], r["T"], r["D"])))
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-        for name in dict.fromkeys(r["backend"] for r in rows):
-            pts = [r for r in rows if r["backend"] == name and r["mode"] == mode and r["status"] == "ok"]
+        for i, name in enumerate(dict.fromkeys(r["backend"] for r in at_mode)):
+            color = f"C{i}"
+            ok = [r for r in at_mode if r["backend"] == name and r["status"] == "ok"]
             for ax, key in zip(axes, ("ms", "tflops", "peak_mb")):
-                if any(p[key] is not None for p in pts):
-                    ax.plot([p["T"] for p in pts], [p[key] for p in pts], marker="o", label=name)
-            ooms = [r for r in rows if r["backend"] == name and r["mode"] == mode and r["status"] == "OOM"]
-            if ooms:
-                axes[0].axvline(min(r["T"] for r in ooms), linestyle="--", linewidth=0.8, color="grey")
-        for ax, title in zip(axes, ("time (ms)", "TFLOP/s", "peak memory above inputs (MB)")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("T")
-            ax.set_title(f"{title}, {mode}")
+                pts = [r for r in ok if r[key] is not None]
+                if pts:
+                    ax.plot([x_of(r) for r in pts], [r[key] for r in pts], marker="o", ms=3, color=color, label=name)
+            ooms = [x_of(r) for r in at_mode if r["backend"] == name and r["status"] == "OOM"]
+            for ax in axes:
+                for j, x in enumerate(ooms):
+                    ax.plot([x], [0.5], marker="x", color=color, transform=ax.get_xaxis_transform(),
+                            label=f"{name}: OOM" if ax is axes[0] and j == 0 else None)
+        titles = ("median time (ms)", "TFLOP/s (causal)", "peak memory above inputs (MB)")
+        for ax, title in zip(axes, titles):
+            if ax.lines:
+                ax.set_yscale("log")
+            else:
+                ax.text(0.5, 0.5, "not measured (CUDA only)", ha="center", transform=ax.transAxes)
+            ax.set_title(f"{title}, {mode}", fontsize=10)
+            if by_T:
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("T")
+            else:
+                ax.set_xticks(range(len(shapes)))
+                ax.set_xticklabels([f"{B}x{H}x{T}x{D}" for B, H, T, D in shapes], rotation=30, fontsize=7)
+                ax.set_xlabel("B x H x T x D")
+            ax.grid(True, which="major", alpha=0.3)
         axes[0].legend(fontsize=7)
+        fig.suptitle(header(meta).lstrip("# "), fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"bench_{mode.replace('+', '_')}.png", dpi=90)
+        fig.savefig(out / f"bench_{mode.replace('+', '_')}.png", dpi=80)
         plt.close(fig)
 
 
+def write_all(rows, meta, out: Path) -> None:
+    write_results(rows, meta, out)
+    (out / "summary.md").write_text(summary(rows, meta))
+    try:
+        plot(rows, meta, out)
+    except ImportError as err:
+        print(f"# plots skipped: {err} (run again with --from-json {out / 'results.json'} where matplotlib is)")
+
+
+# --- command line ---------------------------------------------------------------------------------
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["anchors", "sweep"], help="shape set (else --B/--H/--T/--D)")
+    p.add_argument("--preset", choices=["anchors", "sweep"],
+                   help="anchors: the six (B,H,T,D) anchor shapes; sweep: T 512..32768 at B*T=32768, H=12, D=64 "
+                        "(both override --B/--H/--T/--D)")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--H", type=int, default=12)
-    p.add_argument("--Hkv", type=int, help="key/value heads (default: H)")
+    p.add_argument("--Hkv", type=int, help="key/value heads (default: H; must divide H)")
     p.add_argument("--T", default="1024,2048,4096", help="comma-separated sequence lengths")
     p.add_argument("--D", type=int, default=64)
-    p.add_argument("--modes", default="fwd,fwd+bwd")
-    p.add_argument("--backends", default="naive,hybrid,sdpa,flash,sdpa-fa2,sdpa-cudnn,sdpa-efficient,flex")
+    p.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
+    p.add_argument("--backends", default=",".join(ALL_BACKENDS), help=f"comma-separated from {', '.join(ALL_BACKENDS)}")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--vram-budget-gb", type=float, help="cap GPU memory like a smaller card (CUDA only)")
-    p.add_argument("--out", help="folder for results.csv, results.json and PNG plots")
+    p.add_argument("--vram-budget-gb", type=float, help="cap this process' GPU memory at N GiB (CUDA only)")
+    p.add_argument("--out", help="folder for results.json, results.csv, summary.md and bench_<mode>.png")
+    p.add_argument("--from-json", help="write the tables and plots of an earlier results.json (to --out or its folder)")
     return p.parse_args(argv)
+
+
+def shapes_from(args):
+    if args.preset == "anchors":
+        return ANCHORS
+    if args.preset == "sweep":
+        return SWEEP
+    try:
+        return [(args.B, args.H, int(t), args.D) for t in args.T.split(",")]
+    except ValueError:
+        fail(f"--T {args.T!r} must be comma-separated integers, e.g. --T 1024,2048")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        out = Path(args.out or Path(args.from_json).parent)
+        write_all(saved["rows"], saved["meta"], out)
+        print(summary(saved["rows"], saved["meta"]))
+        return
+    modes = args.modes.split(",")
+    names = args.backends.split(",")
+    for bad in [m for m in modes if m not in MODES] + [n for n in names if n not in ALL_BACKENDS]:
+        fail(f"{bad!r} is not a mode or backend; modes: {', '.join(MODES)}; backends: {', '.join(ALL_BACKENDS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but PyTorch sees no CUDA GPU; use --device cpu")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda but no CUDA GPU is visible")
-    if args.vram_budget_gb and device.type != "cuda":
-        fail("--vram-budget-gb caps GPU memory and needs a CUDA GPU")
-    apply_vram_budget(device, args.vram_budget_gb)
+    if args.vram_budget_gb is not None and device.type != "cuda":
+        fail("--vram-budget-gb caps GPU memory and needs a CUDA GPU (this run is on CPU)")
+    shapes = shapes_from(args)
+    if args.Hkv and any(H % args.Hkv for _, H, _, _ in shapes):
+        fail(f"--Hkv {args.Hkv} must divide the number of query heads")
+    if args.vram_budget_gb is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_budget_gb * 2**30 / total), device)
     dtype = DTYPES[args.dtype]
-    shapes = ANCHORS if args.preset == "anchors" else SWEEP if args.preset == "sweep" else [
-        (args.B, args.H, int(t), args.D) for t in args.T.split(",")]
-    found = backends(device, args.backends.split(","))
-    import triton  # noqa: F401 (versions for the header)
+    found = backends(device, names)
+    try:
+        import triton
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, causal"
-          + (f", budget {args.vram_budget_gb:g} GiB" if args.vram_budget_gb else ""))
-    for name, reason in found.items():
-        if not callable(reason):
-            print(f"# {name}: n/a ({reason})")
-    check_against_sdpa(found, shapes[0], args.Hkv or shapes[0][1], dtype, device)
-    print("| mode | B | H | T | D | backend | ms | TFLOP/s | peak MB |\n|---|---|---|---|---|---|---|---|---|")
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton_version, "dtype": args.dtype, "budget_gb": args.vram_budget_gb,
+            "date": datetime.date.today().isoformat(), "command": "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    print(header(meta))
+    check = check_backends(found, shapes[0], args.Hkv or shapes[0][1], dtype, device, grads="fwd+bwd" in modes)
+    meta["unavailable"] = {name: reason for name, reason in found.items() if not callable(reason)}
+    meta["check"] = check
+    for name, reason in meta["unavailable"].items():
+        print(f"# {name}: n/a ({reason})")
+    print("| mode | B | H | H_kv | T | D | backend | ms | TFLOP/s | peak MB |\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for mode in args.modes.split(","):
-        for shape in shapes:
+    for mode in modes:
+        for B, H, T, D in shapes:
             for name, attend in found.items():
                 if not callable(attend):
                     continue
-                result = measure(attend, shape, args.Hkv or shape[1], mode, dtype, device)
-                row = {"mode": mode, "B": shape[0], "H": shape[1], "T": shape[2], "D": shape[3], "backend": name, **result}
+                try:
+                    result = measure(attend, (B, H, T, D), args.Hkv or H, mode, dtype, device)
+                except Exception as err:  # a forced SDPA kernel or flex that does not take this shape
+                    if name in OURS:
+                        raise
+                    print(f"# {name} at {mode} (B,H,T,D)={(B, H, T, D)}: n/a ({first_line(err)})")
+                    result = {"ms": None, "tflops": None, "peak_mb": None, "status": "n/a"}
+                row = {"mode": mode, "B": B, "H": H, "Hkv": args.Hkv or H, "T": T, "D": D, "backend": name, **result}
                 rows.append(row)
-                cells = [f"{row[k]:.3f}" if row[k] is not None else row["status"] for k in ("ms",)]
-                cells += [f"{row[k]:.4g}" if row[k] is not None else ("n/a" if row["status"] == "ok" else row["status"]) for k in ("tflops", "peak_mb")]
-                print(f"| {mode} | {shape[0]} | {shape[1]} | {shape[2]} | {shape[3]} | {name} | " + " | ".join(cells) + " |", flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"device": gpu, "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype,
-                "budget_gb": args.vram_budget_gb, "command": " ".join(sys.argv)}
-        (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        with open(out / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        plot(rows, out)
+                print(f"| {mode} | {B} | {H} | {row['Hkv']} | {T} | {D} | {name} | "
+                      + " | ".join(cell(row, k) for k in ("ms", "tflops", "peak_mb")) + " |", flush=True)
+                if args.out:  # after every point, so an interrupted run keeps what it measured
+                    write_results(rows, meta, Path(args.out))
+    print("\n" + summary(rows, meta))
+    if args.out and rows:
+        write_all(rows, meta, Path(args.out))
+        print(f"# wrote results.json, results.csv, summary.md and bench_*.png to {args.out}")
 
 
 if __name__ == "__main__":

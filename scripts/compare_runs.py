@@ -11,6 +11,7 @@ warm-up); peak VRAM is the largest record.
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,15 +24,25 @@ from omegaconf import OmegaConf  # noqa: E402
 from training.cli import fail  # noqa: E402
 
 COLUMNS = ("run", "backend", "model", "tokens_per_s", "mfu", "peak_vram_mb", "train_loss", "val_loss", "wall_s", "steps")
+HEADINGS = ("run", "backend", "model", "tokens/s", "MFU", "peak VRAM (MB)", "final train loss", "final val loss",
+            "wall time (s)", "steps")
+
+
+def natural_key(path: Path):
+    """'10-flash' after '2-sdpa': digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
 
 
 def find_runs(paths):
+    """[(run folder, name)] for the run folders (with metrics.jsonl) among ``paths`` and, for any
+    other folder, anywhere below it (named by their path below it)."""
     runs = []
     for p in map(Path, paths):
         if (p / "metrics.jsonl").is_file():
-            runs.append(p)
+            runs.append((p, p.name))
         elif p.is_dir():
-            runs.extend(sorted(d for d in p.iterdir() if (d / "metrics.jsonl").is_file()))
+            found = sorted((m.parent for m in p.rglob("metrics.jsonl")), key=natural_key)
+            runs.extend((f, str(f.relative_to(p))) for f in found)
         else:
             fail(f"{p} is not a run folder (no metrics.jsonl) nor a folder of runs")
     if not runs:
@@ -39,7 +50,7 @@ def find_runs(paths):
     return runs
 
 
-def load_run(folder: Path) -> dict:
+def load_run(folder: Path, name: str) -> dict:
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("val_loss") is not None]
@@ -54,7 +65,7 @@ def load_run(folder: Path) -> dict:
     asked = OmegaConf.select(cfg, "attention.name", default="?")
     ran = json.loads((folder / "run.json").read_text())["attention"] if (folder / "run.json").is_file() else asked
     return {
-        "run": folder.name,
+        "run": name,
         "backend": asked if ran == asked else f"{asked} (ran {ran})",
         "model": OmegaConf.select(cfg, "model.name", default="?"),
         "tokens_per_s": median("tokens_per_s"),
@@ -65,7 +76,17 @@ def load_run(folder: Path) -> dict:
         "wall_s": records[-1].get("elapsed_s") if records else None,
         "steps": max((r["step"] for r in records), default=0),
         "curve": [(r["step"], r["elapsed_s"], r["loss"]) for r in train],
+        "val_curve": [(r["step"], r["elapsed_s"], r["val_loss"]) for r in evals],
+        "env": environment(folder),
     }
+
+
+def environment(folder: Path) -> str:
+    """Device, dtype and versions from run.json (written by the training loop), or empty."""
+    if not (folder / "run.json").is_file():
+        return ""
+    info = json.loads((folder / "run.json").read_text())
+    return ", ".join(f"{k} {info[k]}" for k in ("device", "dtype", "torch", "triton") if info.get(k))
 
 
 def fmt(key, value) -> str:
@@ -83,7 +104,8 @@ def fmt(key, value) -> str:
 
 
 def markdown(rows) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    envs = list(dict.fromkeys(r["env"] for r in rows if r["env"]))
+    lines = [f"# {env}" for env in envs] + ["| " + " | ".join(HEADINGS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(fmt(k, r[k]) for k in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -96,10 +118,14 @@ def plot(rows, out: Path) -> None:
 
     for x_index, name, label in ((0, "loss_vs_step.png", "step"), (1, "loss_vs_time.png", "wall time (s)")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in rows:
-            ax.plot([c[x_index] for c in r["curve"]], [c[2] for c in r["curve"]], label=f"{r['backend']} ({r['run']})")
+        for i, r in enumerate(rows):
+            ax.plot([c[x_index] for c in r["curve"]], [c[2] for c in r["curve"]], color=f"C{i}",
+                    label=f"{r['backend']} ({r['run']})")
+            if r["val_curve"]:
+                ax.plot([c[x_index] for c in r["val_curve"]], [c[2] for c in r["val_curve"]], color=f"C{i}",
+                        linestyle="--", marker=".")
         ax.set_xlabel(label)
-        ax.set_ylabel("train loss")
+        ax.set_ylabel("loss (train solid, val dashed)")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / name, dpi=100)
@@ -122,7 +148,7 @@ def main(argv=None) -> None:
     p.add_argument("paths", nargs="+", help="run folders or folders of runs (a multirun folder)")
     p.add_argument("--out", help="folder for table.md, table.csv and the PNG plots")
     args = p.parse_args(argv)
-    rows = [load_run(f) for f in find_runs(args.paths)]
+    rows = [load_run(folder, name) for folder, name in find_runs(args.paths)]
     table = markdown(rows)
     print(table)
     if args.out:

@@ -1,42 +1,117 @@
-"""The measurement scripts run on CPU: bench_attention, compare_runs (on a real multirun) and fit."""
+"""The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate),
+compare_runs (on a real multirun of experiment=compare_backends and on hand-written runs) and fit."""
 import csv
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, run_env
+
+CPU = torch.device("cpu")
 
 
 def run(args, timeout=300):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_bench_attention_on_cpu_writes_table_files_and_plots(tmp_path):
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def markdown_table(text: str, heading: str):
+    """The rows (lists of cells, header first) of the first markdown table after ``heading``."""
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not line.startswith("|---"):
+            table.append([c.strip() for c in line.strip("|").split("|")])
+    return table
+
+
+def test_bench_attention_on_cpu_writes_tables_files_and_plots(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cpu", "--dtype", "fp32", "--B", "1", "--H", "2",
                 "--D", "16", "--T", "32,64", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| fwd")]
-    assert len(table) == 2 * 2 * 3  # modes x lengths x (naive, hybrid, sdpa)
-    assert "# flash: n/a" in proc.stdout and "# sdpa-cudnn: n/a (needs a CUDA GPU)" in proc.stdout
+    assert proc.stdout.startswith("# cpu, torch ") and "triton" in proc.stdout.splitlines()[0]
+    assert "# checked against float32 at (B,H,T,D)=(1, 2, 32, 16) (o, dq, dk, dv" in proc.stdout
+    assert "# flash: n/a (" in proc.stdout and "# sdpa-cudnn: n/a (needs a CUDA GPU)" in proc.stdout
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("| fwd")]
+    assert len(progress) == 2 * 2 * 3  # modes x lengths x (naive, hybrid, sdpa)
     rows = list(csv.DictReader(open(tmp_path / "results.csv")))
     assert {r["backend"] for r in rows} == {"naive", "hybrid", "sdpa"}
-    assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in rows)
-    assert json.loads((tmp_path / "results.json").read_text())["meta"]["device"] == "cpu"
-    assert (tmp_path / "bench_fwd.png").stat().st_size > 1000 and (tmp_path / "bench_fwd_bwd.png").is_file()
+    assert all(r["status"] == "ok" and float(r["ms"]) > 0 and float(r["tflops"]) > 0 and r["peak_mb"] == "" for r in rows)
+    meta = json.loads((tmp_path / "results.json").read_text())["meta"]
+    assert meta["device"] == "cpu" and meta["unavailable"]["flex"] == "needs a CUDA GPU"
+    assert meta["check"]["sdpa"]["dv"] < 1e-4
+    table = markdown_table((tmp_path / "summary.md").read_text(), "## fwd+bwd: TFLOP/s")
+    assert table[0] == ["B", "H", "H_kv", "T", "D", "naive", "hybrid", "sdpa"]
+    assert [r[3] for r in table[1:]] == ["32", "64"] and all(float(c) > 0 for r in table[1:] for c in r[5:])
+    for name in ("bench_fwd.png", "bench_fwd_bwd.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+    again = tmp_path / "again"  # tables and plots from a saved results.json (e.g. one copied off a GPU machine)
+    load_script("bench_attention").main(["--from-json", str(tmp_path / "results.json"), "--out", str(again)])
+    assert (again / "summary.md").read_text() == (tmp_path / "summary.md").read_text()
+    assert (again / "bench_fwd_bwd.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("script,args,message", [
-    ("scripts/bench_attention.py", ["--device", "cpu", "--vram-budget-gb", "8"], "needs a CUDA GPU"),
-    ("scripts/fit.py", ["model=tiny"], "needs a CUDA GPU"),
+def test_bench_attention_stops_when_a_backend_disagrees(capsys):
+    bench = load_script("bench_attention")
+    sdpa = bench.backends(CPU, ["sdpa"])["sdpa"]
+    shape, Hkv = (1, 4, 32, 16), 2  # grouped-query attention: two query heads per key/value head
+
+    def no_kernel(q, k, v):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    found = {"sdpa": sdpa, "sdpa-fa2": no_kernel}
+    errors = bench.check_backends(found, shape, Hkv, torch.float32, CPU, grads=True)
+    assert set(errors["sdpa"]) == {"o", "dq", "dk", "dv"} and max(errors["sdpa"].values()) < 1e-5
+    assert found["sdpa-fa2"].startswith("fails at the first shape (RuntimeError: No available kernel")
+
+    with pytest.raises(SystemExit) as stop:
+        bench.check_backends({"sdpa": sdpa, "wrong": lambda q, k, v: q * 1.0}, shape, Hkv, torch.float32, CPU, grads=False)
+    assert stop.value.code == 1 and "wrong o relative error" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("args,message", [
+    (["--device", "cpu", "--vram-budget-gb", "8"], "--vram-budget-gb caps GPU memory and needs a CUDA GPU"),
+    (["--device", "cuda"], "--device cuda but PyTorch sees no CUDA GPU"),
 ])
-def test_gpu_only_options_fail_clearly_without_cuda(script, args, message):
-    proc = run([script, *args])
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bench_attention_gpu_options_fail_clearly_without_cuda(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_script("bench_attention").main(args)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_compare_runs_reads_a_multirun(tmp_path, data_cache):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_fit_fails_clearly_without_cuda():
+    proc = run(["scripts/fit.py", "model=tiny"])
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_attention_on_gpu_under_a_budget(tmp_path):
+    proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
+                "--modes", "fwd+bwd", "--vram-budget-gb", "2", "--backends", "naive,sdpa,flash,sdpa-fa2,sdpa-cudnn",
+                "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(r["peak_mb"] is not None for r in rows if r["status"] == "ok")
+    assert {r["backend"] for r in rows if r["status"] == "ok"} >= {"naive", "sdpa", "flash"}
+
+
+def test_compare_runs_reads_a_multirun_of_compare_backends(tmp_path, data_cache):
     sweep = tmp_path / "mr"
     proc = run(["train.py", "experiment=compare_backends", "model=tiny", "data=shakespeare_char",
                 f"data.cache_dir={data_cache}", "trainer.max_steps=6", "trainer.batch_size=2", "trainer.log_interval=2",
@@ -48,12 +123,42 @@ def test_compare_runs_reads_a_multirun(tmp_path, data_cache):
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(open(out / "table.csv")))
     assert [r["backend"] for r in rows] == ["naive", "hybrid", "sdpa", "flash (ran sdpa)"]
-    assert all(r["steps"] == "6" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(r["steps"] == "6" and float(r["tokens_per_s"]) > 0 and float(r["wall_s"]) > 0 for r in rows)
+    assert all(r["mfu"] == "" and r["peak_vram_mb"] == "" for r in rows)  # null on CPU
     assert len({r["train_loss"] for r in rows}) == 1  # same function, same losses on CPU
+    table = markdown_table((out / "table.md").read_text(), "| run")
+    assert table[0][:4] == ["run", "backend", "model", "tokens/s"] and len(table) == 5
+    assert table[1][6] == table[2][6] and table[1][7] != "n/a"  # final train and val loss printed
     for name in ("loss_vs_step.png", "loss_vs_time.png", "throughput_memory.png"):
-        assert (out / name).stat().st_size > 1000
+        assert (out / name).stat().st_size > 10_000
 
 
-def test_compare_runs_says_when_there_is_nothing_to_compare(tmp_path):
-    proc = run(["scripts/compare_runs.py", str(tmp_path)])
-    assert proc.returncode == 2 and "no run folders" in proc.stderr
+def write_run(folder, backend, ran, records):
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(f"attention:\n  name: {backend}\nmodel:\n  name: gpt2\ntrainer:\n  max_steps: 30\n")
+    (folder / "run.json").write_text(json.dumps({"attention": ran, "device": "NVIDIA H100 80GB HBM3", "dtype": "bf16"}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def train_record(step, loss, tokens_per_s, peak):
+    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s / 1e6,
+            "peak_vram_mb": peak, "elapsed_s": step / 10}
+
+
+def test_compare_runs_summarises_hand_written_runs(tmp_path, capsys):
+    parent = tmp_path / "multirun" / "2026-11-23"
+    for job, backend, ran in ((10, "naive", "naive"), (2, "flash", "sdpa"), (0, "sdpa", "sdpa")):
+        records = [train_record(10, 5.0, 1_000, 900), train_record(20, 4.0, 300_000, 1_000), {"step": 20, "val_loss": 4.5, "elapsed_s": 2.5},
+                   train_record(30, 3.0, 400_000, 1_100), train_record(40, 2.5, 500_000, 1_000)]
+        write_run(parent / f"{job}-{backend}", backend, ran, records)
+    (parent / "notes").mkdir()  # a folder without metrics.jsonl is skipped
+    load_script("compare_runs").main([str(tmp_path / "multirun")])
+    table = markdown_table(capsys.readouterr().out, "| run")
+    assert [r[0] for r in table[1:]] == ["2026-11-23/0-sdpa", "2026-11-23/2-flash", "2026-11-23/10-naive"]
+    assert table[2][1:] == ["flash (ran sdpa)", "gpt2", "400,000", "40.0%", "1,100.0", "2.5000", "4.5000", "4.0", "40"]
+
+
+def test_compare_runs_says_when_there_is_nothing_to_compare(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_script("compare_runs").main([str(tmp_path)])
+    assert stop.value.code == 2 and "no run folders" in capsys.readouterr().err
