@@ -275,12 +275,14 @@ def check_backends(found: dict, shape, Hkv, dtype, device, grads: bool) -> dict:
 
 # --- output ---------------------------------------------------------------------------------------
 
-def fmt(value) -> str:
-    return f"{value:.3g}" if value is not None else "n/a"
+def fmt(value, key="ms") -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.0f}" if key == "peak_mb" and value >= 10 else f"{value:.3g}"
 
 
 def cell(row, key) -> str:
-    return fmt(row[key]) if row["status"] == "ok" else row["status"]
+    return fmt(row[key], key) if row["status"] == "ok" else row["status"]
 
 
 def header(meta) -> str:
@@ -348,7 +350,7 @@ def plot(rows, meta, out: Path) -> None:
             ooms = [x_of(r) for r in at_mode if r["backend"] == name and r["status"] == "OOM"]
             for ax in axes:
                 for j, x in enumerate(ooms):
-                    ax.plot([x], [0.5], marker="x", color=color, transform=ax.get_xaxis_transform(),
+                    ax.plot([x], [0.95 - 0.05 * i], marker="x", color=color, transform=ax.get_xaxis_transform(),
                             label=f"{name}: OOM" if ax is axes[0] and j == 0 else None)
         titles = ("median time (ms)", "TFLOP/s (causal)", "peak memory above inputs (MB)")
         for ax, title in zip(axes, titles):
