@@ -3,6 +3,7 @@
 Each wrong option or input stops with one clear line that names it, a non-zero exit and no traceback.
 """
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -84,3 +85,109 @@ def test_model_vocab_smaller_than_the_tokenizer(tmp_path, data_cache):
     cfg.model.vocab_size = 10
     with pytest.raises(UserError, match="model.vocab_size=10 is smaller than the tokenizer's 65 tokens"):
         loop.train(cfg, tmp_path)
+
+
+MORE_CLI_CASES = [
+    pytest.param(lambda t: ["trainer.run_name=${eval:1+1}"], "'eval' is not a config resolver", id="unknown-resolver"),
+    pytest.param(lambda t: ["trainer.run_name=\\${eval:1}"], "a literal '${' cannot be kept", id="escaped-interpolation"),
+    pytest.param(lambda t: ["trainer.run_name=${oc.env:NANOFLASH_UNSET_VARIABLE}"], "Environment variable 'NANOFLASH_UNSET_VARIABLE' not found", id="missing-env-var"),
+    pytest.param(lambda t: ["data=hf", f"data.path={jsonl(t)}", "data.text_column=body"], "data.text_column='body' is not a column", id="hf-wrong-column"),
+]
+
+
+def jsonl(tmp_path) -> str:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(50)))
+    return str(path)
+
+
+@pytest.mark.parametrize("make_args,message", MORE_CLI_CASES)
+def test_more_wrong_inputs_fail_with_one_clear_line(tmp_path, make_args, message):
+    if "hf" in make_args(tmp_path) and not importlib.util.find_spec("datasets"):
+        pytest.skip("datasets is not installed")
+    proc = run_train(make_args(tmp_path), tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1
+
+
+OVERRIDE_CASES = [  # checked before Hydra runs: in-process, no subprocess needed
+    pytest.param(["optim.betas=0.9"], "optim.betas=0.9 has the wrong type: it takes a list", id="list-given-number"),
+    pytest.param(["model.n_layer=1.5"], "model.n_layer=1.5 has the wrong type: it takes an integer", id="int-given-float"),
+    pytest.param(["trainer.compile=maybe"], "trainer.compile=maybe has the wrong type: it takes true or false", id="bool-given-word"),
+    pytest.param(["trainer.max_steps=null"], "trainer.max_steps cannot be null", id="null-int"),
+    pytest.param(["data.path=__import__('os').system('x')"], "cannot parse the overrides", id="python-in-a-value"),
+    pytest.param(["optim=sgd"], "optim=sgd is not a config; choose one of: adamw", id="unknown-optimizer"),
+    pytest.param(["logger=tensorboard"], "logger=tensorboard is not a config; choose one of: default, wandb", id="unknown-logger"),
+    pytest.param(["-m", "attention=naive,flsh"], "attention=flsh is not a config", id="unknown-choice-in-a-sweep"),
+    pytest.param(["+trainer.lr=1"], "trainer has no key 'lr'", id="appended-unknown-key"),
+]
+
+
+@pytest.mark.parametrize("args,message", OVERRIDE_CASES)
+def test_wrong_overrides_fail_before_hydra_in_one_line(args, message, capsys):
+    from training.cli import check_overrides
+
+    with pytest.raises(SystemExit) as exited:
+        check_overrides(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_interpolations_are_resolved_by_omegaconf_never_evaluated(capsys):
+    from training.cli import check_overrides
+
+    check_overrides(["trainer.run_name=${oc.env:HOME}-${model.name}", "trainer.log_interval=${trainer.eval_interval}"])
+    assert capsys.readouterr().err == ""
+
+
+VALIDATION_CASES = [  # values the schema accepts but validate() must reject
+    pytest.param("trainer", "keep_checkpoints", 0, "trainer.keep_checkpoints=0 must be a positive number", id="keep-zero"),
+    pytest.param("trainer", "max_bad_steps", 0, "trainer.max_bad_steps=0 must be a positive number", id="bad-steps-zero"),
+    pytest.param("trainer", "grad_accum", -2, "trainer.grad_accum=-2 must be a positive number", id="negative-accum"),
+    pytest.param("trainer", "device", "tpu", "trainer.device='tpu' is not one of auto, cpu, cuda", id="unknown-device"),
+    pytest.param("optim", "lr", -1.0, "optim.lr=-1.0 must be a positive number", id="negative-lr"),
+    pytest.param("optim", "decay_fraction", 0.0, "optim.decay_fraction=0.0 must be in (0, 1]", id="decay-fraction"),
+    pytest.param("attention", "window", 0, "attention.window=0 must be a positive number of keys", id="zero-window"),
+    pytest.param("attention", "name", "flsh", "attention='flsh' is not a backend", id="backend-by-key"),
+    pytest.param("data", "num_proc", 0, "data.num_proc=0 must be at least 1", id="zero-workers"),
+    pytest.param("data", "max_docs", 0, "data.max_docs=0 must be positive", id="zero-docs"),
+    pytest.param("data", "source", "s3", "data.source='s3' is not one of text, hf", id="unknown-source"),
+    pytest.param("logger", "mode", "loud", "logger.mode='loud' is not one of online, offline, disabled", id="wandb-mode"),
+]
+
+
+@pytest.mark.parametrize("group,key,value,message", VALIDATION_CASES)
+def test_wrong_values_are_rejected_when_the_config_is_built(data_cache, group, key, value, message):
+    from training.config import validate
+
+    cfg = tiny_config(data_cache)
+    setattr(getattr(cfg, group), key, value)
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(cfg)
+
+
+def test_resume_from_a_folder_or_a_foreign_torch_file(tmp_path, data_cache):
+    import torch
+
+    cfg = tiny_config(data_cache, max_steps=2, resume=str(tmp_path))
+    with pytest.raises(UserError, match="no such checkpoint file"):
+        loop.train(cfg, tmp_path / "run")
+    foreign = tmp_path / "weights.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)
+    cfg.trainer.resume = str(foreign)
+    with pytest.raises(UserError, match="is not a nanoflash checkpoint .no model or step inside"):
+        loop.train(cfg, tmp_path / "run")
+
+
+def test_a_folder_without_text_files(tmp_path, data_cache):
+    from data.prepare import prepare
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "notes.pdf").write_bytes(b"%PDF")
+    cfg = tiny_config(str(tmp_path / "cache")).data
+    cfg.path = str(tmp_path / "corpus")
+    with pytest.raises(UserError, match="holds no .txt/.text/.md files"):
+        prepare(cfg)

@@ -7,6 +7,7 @@ picks up a half-written checkpoint, and resumes to exactly the numbers an uninte
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,8 +71,10 @@ def test_sigkill_at_random_steps_then_resume_matches_the_uninterrupted_run(tmp_p
         proc = start(train_cmd(run_dir, data_cache))
         wait_for_checkpoint(run_dir, kill_after, proc)
         time.sleep(rng.uniform(0.0, 0.3))
+        assert proc.poll() is None, "the run finished before the kill: nothing was tested"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        assert max(int(p.stem.split("_")[1]) for p in list_checkpoints(run_dir)) < 60
     proc = subprocess.run(train_cmd(run_dir, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "resuming from" in proc.stdout
@@ -107,11 +110,13 @@ def test_a_second_ctrl_c_exits_at_once(tmp_path, data_cache):
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    # Two signals that arrive before Python runs the handler count as one: wait for the first to land.
+    while "saving a checkpoint after this step" not in (line := proc.stderr.readline()):
+        assert line, "the run ended before it saw the first SIGINT"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
-    assert "SIGINT again: exiting now" in err
+    assert "SIGINT again: exiting now" in err and "stopped after step" not in err
 
 
 SAVE_LOOP = """
@@ -242,3 +247,109 @@ def test_config_strings_are_data_not_code(tmp_path, data_cache):
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert not marker.exists()
+
+
+def test_out_of_memory_mid_step_then_resume_matches_the_uninterrupted_run(tmp_path, data_cache, monkeypatch):
+    """A real OOM strikes inside forward/backward, after dropout has drawn random numbers: the saved
+    step must carry the random state from before the failed step, or the resumed run drifts."""
+    cfg = tiny_config(data_cache, max_steps=12, ckpt_interval=100, log_interval=1)
+    loop.train(cfg, tmp_path / "full")
+    real_step = loop.train_step
+    calls = {"n": 0}
+
+    def oom_mid_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            torch.rand(1000)  # what dropout does before the allocation that fails
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", oom_mid_forward)
+    with pytest.raises(loop.OutOfMemory):
+        loop.train(cfg, tmp_path / "oom")
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(tmp_path / "oom")] == ["step_0000006.pt"]
+    loop.train(cfg, tmp_path / "oom")
+    assert metrics(tmp_path / "oom") == metrics(tmp_path / "full")
+
+
+def test_a_save_never_deletes_itself_when_newer_checkpoints_are_stale(tmp_path):
+    """After falling back past a damaged step_20 (or resuming an older file by name), the new
+    timeline's checkpoint is the one kept; the stale newer files are removed, not the new one."""
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, {"step": step, "model": {"w": torch.ones(2)}}, keep=2)
+    newest = list_checkpoints(tmp_path)[-1]
+    newest.write_bytes(newest.read_bytes()[:50])
+    with pytest.warns(UserWarning, match=r"step_0000020.pt is corrupt.*falling back to .*step_0000010.pt"):
+        assert latest_checkpoint(tmp_path)[1]["step"] == 10
+    save_checkpoint(tmp_path, 15, {"step": 15, "model": {"w": torch.ones(2)}}, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000015.pt"]
+    assert latest_checkpoint(tmp_path)[1]["step"] == 15
+
+
+def test_a_half_written_metrics_line_does_not_block_the_resume(tmp_path, data_cache):
+    cfg = tiny_config(data_cache, max_steps=20)
+    loop.train(cfg, tmp_path / "full")
+    run_dir = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", run_dir)
+    (run_dir / "checkpoints" / "step_0000020.pt").unlink()  # killed before the last save...
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 21, "loss": 2.4')  # ...and in the middle of a metrics write
+    loop.train(cfg, run_dir)
+    assert metrics(run_dir) == metrics(tmp_path / "full")
+
+
+def test_ctrl_c_before_training_starts_exits_in_one_line(tmp_path, data_cache, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "prepare", interrupted)
+    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+        loop.train(tiny_config(data_cache), tmp_path)
+    assert exited.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines() == ["interrupted outside the training steps; checkpoints written so far are kept"]
+
+
+def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_not_counted_as_bad():
+    """The decision logic of train_step, on CPU: an enabled grad scaler skips a step with infinite
+    gradients and lowers its scale (routine in fp16); without a scaler the step is skipped and bad."""
+    from types import SimpleNamespace
+
+    from model import GPT, ModelConfig
+    from model.attention import build_attention
+    from model.config import AttentionConfig
+    from training.config import OptimConfig
+    from training.optim import build_optimizer
+
+    cpu = torch.device("cpu")
+    t = SimpleNamespace(grad_accum=1, grad_clip=1.0)
+
+    class Loader:
+        def next_batch(self):
+            x = torch.randint(0, 64, (2, 16))
+            return x, x, None
+
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        attend, _ = build_attention(AttentionConfig(name="sdpa"), cpu)
+        model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64), attend)
+        optimizer = build_optimizer(model, OptimConfig(), cpu)
+        scaler = torch.amp.GradScaler("cpu", enabled=scaled, init_scale=2.0**16)
+        blow_up = model.lm_head.weight.register_hook(lambda g: g * float("inf"))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss, grad_norm, good = loop.train_step(model, model, optimizer, scaler, Loader(), t, cpu, torch.float32)
+        blow_up.remove()
+        assert torch.isfinite(loss) and not torch.isfinite(grad_norm)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed
+        assert bool(good) is scaled  # fp16 overflow is routine; without a scaler it is a bad step
+        if scaled:
+            assert scaler.get_scale() == 2.0**15
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 needs a CUDA GPU")
+def test_fp16_on_gpu_survives_overflowing_steps(tmp_path, data_cache):
+    cfg = tiny_config(data_cache, max_steps=10, device="cuda", dtype="fp16", max_bad_steps=2)
+    summary = loop.train(cfg, tmp_path)  # the first steps overflow at scale 65536 and are skipped
+    assert summary["step"] == 10
+    for path in list_checkpoints(tmp_path):
+        assert all(torch.isfinite(v).all() for v in load_checkpoint(path)["model"].values() if v.is_floating_point())
