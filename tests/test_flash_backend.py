@@ -36,6 +36,7 @@ def twin_models(**model_kw):
     pytest.param({}, False, id="mha"),
     pytest.param({"n_kv_head": 2, "pos": "rope"}, False, id="gqa-rope"),
     pytest.param({}, True, id="documents"),
+    pytest.param({"activation_checkpointing": True}, False, id="activation-checkpointing"),
 ])
 def test_flash_backend_matches_sdpa_in_the_model(model_kw, docs):
     models = twin_models(**model_kw)

@@ -72,9 +72,11 @@ def test_a_finished_run_is_not_trained_again(tmp_path, data_cache, capsys):
     assert "finished run" in capsys.readouterr().out
 
 
-def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_cache):
+@pytest.mark.parametrize("backend", ["naive", "hybrid", "sdpa"])
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, data_cache, backend):
     cfg = tiny_config(data_cache, max_steps=10)
     cfg.model.dropout = 0.0
+    cfg.attention.name = backend
     train(cfg, tmp_path / "plain")
     cfg.model.activation_checkpointing = True
     train(cfg, tmp_path / "ckpt")
