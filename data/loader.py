@@ -1,7 +1,9 @@
 """Batches of random windows from a token cache, reproducible from the seed and resumable.
 
-Batch i of rank r is drawn from a generator seeded by (seed, r, i), so a run that resumes needs
-only the number of batches drawn (``state_dict``), and ranks draw independent streams.
+Step i draws one global batch of ``batch_size * world_size`` windows from a generator seeded by
+(seed, 0, i); rank r takes rows [r * batch_size, (r + 1) * batch_size). A run that resumes needs only
+the number of batches drawn (``state_dict``), ranks read disjoint slices, and N ranks see exactly
+the windows one process with batch_size N * B would.
 
 Documents (data.document_mask): doc_ids[b, t] is the index, within row b, of the document token
 x[b, t] belongs to. It counts the end-of-text tokens before t: an end-of-text token ends (belongs
@@ -43,6 +45,7 @@ class BatchLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.block_size, self.batch_size, self.seed, self.rank = block_size, batch_size, seed, rank
+        self.world_size = world_size
         self.device = torch.device(device)
         self.eot_id = eot_id if document_mask else None
         self.batches_drawn = 0
@@ -57,8 +60,9 @@ class BatchLoader:
         """x, y: (B, T) int64, y the token after each of x's (x shifted by one in the data);
         doc_ids: (B, T) int32 document index within each row (see the module docstring), or None."""
         T = self.block_size
-        rng = np.random.default_rng([self.seed, self.rank, self.batches_drawn])
-        starts = rng.integers(0, len(self.tokens) - T, size=self.batch_size)  # window [s, s + T] fits
+        rng = np.random.default_rng([self.seed, 0, self.batches_drawn])
+        everyone = rng.integers(0, len(self.tokens) - T, size=self.batch_size * self.world_size)  # window [s, s + T] fits
+        starts = everyone[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.batches_drawn += 1
         rows = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts]).astype(np.int64))  # (B, T + 1)
         x, y = rows[:, :-1], rows[:, 1:]

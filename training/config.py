@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig
 from model.config import AttentionConfig, ModelConfig, validate_attention, validate_model
+from training.distributed import KINDS
 from training.errors import UserError
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -50,6 +51,7 @@ class TrainerConfig:
     seed: int = 1337
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
     vram_budget_gb: Optional[float] = None  # cap GPU memory to act like a smaller card
+    distributed: str = "none"  # none | ddp (start with torchrun --nproc_per_node=N)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     run_name: str = "${model.name}-${attention.name}-${data.name}"
@@ -108,6 +110,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.dtype", t.dtype, DTYPES)
+    _choice("trainer.distributed", t.distributed, KINDS)
     if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int) or t.batch_size <= 0):
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
     if t.vram_budget_gb is not None:

@@ -100,3 +100,22 @@ def _start_wandb(cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict, 
         config=config,
         mode=cfg.mode,
     )
+
+
+class QuietLogger:
+    """The logger of ranks other than 0: they compute, rank 0 reports."""
+
+    wandb_id = None
+
+    def advance(self, steps: int = 1) -> None:
+        pass
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+

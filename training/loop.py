@@ -4,6 +4,7 @@
 """
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -29,7 +30,8 @@ from training.checkpoint import (
 from training.config import TrainConfig, TrainerConfig
 from training.errors import UserError
 from training.fit import apply_vram_budget, auto_batch_size
-from training.loggers import MetricsLogger
+from training import distributed
+from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at, set_lr
 from training.precision import autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
@@ -71,15 +73,22 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
 
     Returns a summary: {"step", "loss", "val_loss", "backend", "elapsed_s", "sample"}.
     """
+    ranks, device = distributed.setup(cfg.trainer.distributed, resolve_device(cfg.trainer.device))
+    try:
+        return train_ranks(cfg, Path(run_dir), ranks, device)
+    finally:
+        distributed.teardown()
+
+
+def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device) -> dict:
+    """``train`` on this rank's device; rank 0 logs, evaluates for the record and saves."""
     t = cfg.trainer
-    run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(t.device)
     dtype = resolve_dtype(t.dtype, device)
     apply_vram_budget(device, t.vram_budget_gb)
     torch.manual_seed(t.seed)
 
-    data = prepare(cfg.data)
+    data = prepare_once(cfg.data, ranks)
     tokenizer = load_tokenizer(data.manifest)
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
     batch_size = t.batch_size
@@ -92,35 +101,48 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     scaler = make_grad_scaler(device, dtype)
     loader_args = dict(block_size=model_cfg.block_size, batch_size=batch_size, device=device,
                        eot_id=data.eot_id, document_mask=cfg.data.document_mask)
-    train_loader = BatchLoader(data.train_path, data.dtype, seed=t.seed, **loader_args)
-    val_loader = BatchLoader(data.val_path, data.dtype, seed=t.seed + 1, **loader_args)
+    train_loader = BatchLoader(data.train_path, data.dtype, seed=t.seed, rank=ranks.rank,
+                               world_size=ranks.world_size, **loader_args)
+    val_loader = BatchLoader(data.val_path, data.dtype, seed=t.seed + 1, rank=ranks.rank,
+                             world_size=ranks.world_size, **loader_args)
 
-    start_step, wandb_id = restore(t, run_dir, model_cfg, model, optimizer, scaler, train_loader, device)
+    start_step, wandb_id = restore(t, run_dir, model_cfg, model, optimizer, scaler, train_loader, device, ranks.is_main)
     if start_step >= t.max_steps:
         print(f"{run_dir} holds a finished run (step {start_step} of {t.max_steps}): extend it with "
               f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
         return {"step": start_step, "loss": None, "val_loss": None, "backend": backend, "elapsed_s": 0.0, "sample": ""}
 
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    logger = MetricsLogger(run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config_dict, wandb_id)
+    if ranks.is_main:
+        logger = MetricsLogger(run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config_dict, wandb_id)
+    else:
+        logger = QuietLogger()
     n_params = model.num_params()
-    tokens_per_step = batch_size * t.grad_accum * model_cfg.block_size
+    tokens_per_step = batch_size * t.grad_accum * model_cfg.block_size * ranks.world_size
+    peak = peak_tflops(device, t.peak_tflops)
     meter = ThroughputMeter(device, flops_per_token(model_cfg, n_params, model_cfg.block_size),
-                            peak_tflops(device, t.peak_tflops))
+                            peak * ranks.world_size if peak else None)  # MFU per GPU
     logger.message(
         f"{n_params / 1e6:.2f}M parameters | attention={backend} | {device.type} {dtype_name(dtype)} | "
-        f"{tokens_per_step:,} tokens/step | run dir {run_dir}"
+        f"{tokens_per_step:,} tokens/step" + (f" over {ranks.world_size} ranks" if ranks.enabled else "")
+        + f" | run dir {run_dir}"
         + (f" | resumed at step {start_step}" if start_step else "")
     )
-    write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
-    step_model = torch.compile(model) if t.compile else model
+    if ranks.is_main:
+        write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
+    parallel_model = distributed.wrap(model, ranks, device)
+    step_model = torch.compile(parallel_model) if t.compile else parallel_model
 
     started = time.perf_counter()
     loss, val_loss = float("nan"), None
     bad_streak = torch.zeros((), dtype=torch.int64, device=device)  # consecutive bad steps, on the device
     worst_streak = torch.zeros_like(bad_streak)  # longest streak since the last check
-    save = lambda step, loader_state, rng=None: save_checkpoint(run_dir, step, checkpoint_state(
-        step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device, rng), t.keep_checkpoints)
+    def save(step, loader_state, rng=None):
+        if not ranks.is_main:
+            return None
+        state = checkpoint_state(step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device, rng)
+        return save_checkpoint(run_dir, step, state, t.keep_checkpoints)
+
     with StopRequest() as stop:
         for step in range(start_step + 1, t.max_steps + 1):
             loader_before, rng_before = train_loader.state_dict(), rng_state(device)  # an OOM saves the step before
@@ -137,9 +159,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             meter.tick(tokens_per_step)
             logger.advance()
 
+            stopping = distributed.any_rank(bool(stop.signum), device) if ranks.enabled else bool(stop.signum)
             log_due = step % t.log_interval == 0 or step == t.max_steps
             eval_due = step % t.eval_interval == 0 or step == t.max_steps
-            ckpt_due = step % t.ckpt_interval == 0 or step == t.max_steps or stop.signum
+            ckpt_due = step % t.ckpt_interval == 0 or step == t.max_steps or stopping
             if not (log_due or eval_due or ckpt_due):
                 continue  # nothing read from the device: the host runs ahead of the GPU
             loss, grad_norm, worst, current = (v.item() for v in (loss_t, grad_norm_t, worst_streak, bad_streak))
@@ -156,6 +179,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             if log_due:
                 record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
                 record.update(meter.report())
+                record["peak_vram_mb"] = distributed.maximum(record["peak_vram_mb"])
                 record["elapsed_s"] = time.perf_counter() - started
                 logger.log(record)
             if eval_due:
@@ -167,19 +191,28 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
                 paused = time.perf_counter()
                 path = save(step, train_loader.state_dict())
                 meter.exclude(time.perf_counter() - paused)
-            if stop.signum:
+            if stopping:
                 logger.close()
                 kept = path if current == 0 else (list_checkpoints(run_dir) or ["no checkpoint"])[-1]
-                raise Interrupted(stop.signum, f"{stop.name}: stopped after step {step}; {kept} holds the run "
-                                               "(start the same command again to resume)")
+                signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
+                raise Interrupted(signum, f"{signal.Signals(signum).name}: stopped after step {step}; {kept} holds "
+                                          "the run (start the same command again to resume)")
     elapsed = time.perf_counter() - started
     logger.close()
 
-    sample = generate_sample(model, tokenizer, t.sample_tokens, device, dtype, t.seed)
+    sample = generate_sample(model, tokenizer, t.sample_tokens if ranks.is_main else 0, device, dtype, t.seed)
     if sample:
         (run_dir / "sample.txt").write_text(sample)
         print(f"--- sample after {t.max_steps} steps ---\n{sample}\n---")
     return {"step": t.max_steps, "loss": loss, "val_loss": val_loss, "backend": backend, "elapsed_s": elapsed, "sample": sample}
+
+
+def prepare_once(data_cfg, ranks: distributed.Ranks):
+    """The token cache, built by rank 0 while the other ranks wait, then read by all."""
+    if ranks.is_main:
+        data = prepare(data_cfg)
+    distributed.barrier()
+    return data if ranks.is_main else prepare(data_cfg)
 
 
 def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int) -> None:
@@ -225,16 +258,17 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
     otherwise the fused optimizer is told to skip it through ``found_inf``.
     """
     loss_sum = torch.zeros((), device=device)
-    for _ in range(t.grad_accum):
+    for micro in range(t.grad_accum):
         x, y, doc_ids = loader.next_batch()
-        with autocast(device, dtype):
-            _, loss = step_model(x, y, doc_ids)
-        loss_sum += loss.detach()
-        scaler.scale(loss / t.grad_accum).backward()
+        with distributed.no_sync(step_model, micro == t.grad_accum - 1):
+            with autocast(device, dtype):
+                _, loss = step_model(x, y, doc_ids)
+            loss_sum += loss.detach()
+            scaler.scale(loss / t.grad_accum).backward()
     scaler.unscale_(optimizer)
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    loss_mean = loss_sum / t.grad_accum
+    loss_mean = distributed.mean(loss_sum / t.grad_accum)  # every rank decides on the same loss
     if scaler.is_enabled():
         good = torch.isfinite(loss_mean)
         scaler.step(optimizer)
@@ -259,7 +293,7 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> floa
             _, loss = step_model(x, y, doc_ids)
         total += loss.float()
     step_model.train()
-    return (total / iters).item()
+    return distributed.mean(total / iters).item()
 
 
 def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device,
@@ -276,10 +310,11 @@ def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config:
     }
 
 
-def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, optimizer, scaler, loader, device):
+def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, optimizer, scaler, loader, device,
+            is_main: bool = True):
     """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
     if t.resume == "none":
-        old = list_checkpoints(run_dir)
+        old = list_checkpoints(run_dir) if is_main else []
         if old:
             print(f"trainer.resume=none: starting over, removing {len(old)} old checkpoint(s) in {checkpoint_dir(run_dir)}")
             for path in old:
@@ -297,7 +332,8 @@ def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, opti
     scaler.load_state_dict(state["scaler"])
     loader.load_state_dict(state["loader"])
     restore_rng_state(state["rng"], device)
-    print(f"resuming from {path} (step {state['step']})")
+    if is_main:
+        print(f"resuming from {path} (step {state['step']})")
     return state["step"], state.get("wandb_id")
 
 
