@@ -124,7 +124,8 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
                             peak * ranks.world_size if peak else None)  # MFU per GPU
     logger.message(
         f"{n_params / 1e6:.2f}M parameters | attention={backend} | {device.type} {dtype_name(dtype)} | "
-        f"{tokens_per_step:,} tokens/step" + (f" over {ranks.world_size} ranks" if ranks.enabled else "")
+        f"{batch_size * t.grad_accum * ranks.world_size} sequences = {tokens_per_step:,} tokens/step"
+        + (f" over {ranks.world_size} ranks" if ranks.enabled else "")
         + f" | run dir {run_dir}"
         + (f" | resumed at step {start_step}" if start_step else "")
     )
