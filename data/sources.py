@@ -8,7 +8,7 @@ builder follows the extension (.txt: "text", one document per line; .json/.jsonl
 """
 import glob
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from data.config import DataConfig
 from training.errors import UserError

@@ -43,3 +43,17 @@ def run_env() -> dict:
     env.pop("TRITON_INTERPRET", None)
     return env
 
+
+QUICK = ["model=tiny", "data=shakespeare_char", "trainer.max_steps=2", "trainer.sample_tokens=0",
+         "logger.progress=false", "trainer.eval_iters=1"]
+
+
+def run_train(args, tmp_path):
+    """`python train.py` with a two-step tiny run in ``tmp_path`` plus ``args``; the finished process."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "train.py", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
+           f"data.cache_dir={tmp_path / 'cache'}", *args]
+    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+

@@ -4,22 +4,12 @@ Each wrong option or input stops with one clear line that names it, a non-zero e
 """
 import importlib.util
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, run_env, tiny_config
+from conftest import run_train, tiny_config
 from training import loop
 from training.errors import UserError
-
-QUICK = ["model=tiny", "data=shakespeare_char", "trainer.max_steps=2", "trainer.sample_tokens=0",
-         "logger.progress=false", "trainer.eval_iters=1"]
-
-
-def run_train(args, tmp_path):
-    cmd = [sys.executable, "train.py", *QUICK, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
 
 
 def corpus(tmp_path, content: bytes) -> str:

@@ -1,12 +1,8 @@
 """Each user mistake gets one clear line naming the option, a non-zero exit, and no traceback."""
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, run_env
-
-QUICK = ["model=tiny", "data=shakespeare_char", "trainer.max_steps=2", "trainer.sample_tokens=0", "logger.progress=false"]
+from conftest import run_train
 
 CASES = [
     pytest.param(["attention=flsh"], "choose one of: flash, hybrid, naive, sdpa", id="unknown-backend"),
@@ -27,10 +23,6 @@ CASES = [
 ]
 
 
-def run_train(args, tmp_path):
-    cmd = [sys.executable, "train.py", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
-           f"data.cache_dir={tmp_path / 'cache'}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("args,message", CASES)

@@ -54,7 +54,8 @@ class StepTrial:
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            torch.cuda.synchronize(self.device) if self.device.type == "cuda" else None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             return True
         except torch.OutOfMemoryError:
             return False
