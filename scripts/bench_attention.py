@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from model.attention import build_attention, flash_unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
-from training.precision import DTYPES  # noqa: E402
+from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
 # (B, H, T, D)
 ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 4096, 128), (2, 16, 8192, 128),
@@ -437,9 +437,7 @@ def main(argv=None) -> None:
     shapes = shapes_from(args)
     if args.Hkv and any(H % args.Hkv for _, H, _, _ in shapes):
         fail(f"--Hkv {args.Hkv} must divide the number of query heads")
-    if args.vram_budget_gb is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_budget_gb * 2**30 / total), device)
+    apply_vram_budget(device, args.vram_budget_gb)
     dtype = DTYPES[args.dtype]
     found = backends(device, names)
     try:

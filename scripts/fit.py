@@ -30,8 +30,8 @@ from model.config import ATTENTION_BACKENDS, padded_vocab  # noqa: E402
 from training.cli import check_overrides, fail  # noqa: E402
 from training.config import register_configs, validate  # noqa: E402
 from training.errors import UserError  # noqa: E402
-from training.fit import apply_vram_budget, largest_batch, longest_sequence  # noqa: E402
-from training.precision import dtype_name, resolve_device, resolve_dtype  # noqa: E402
+from training.fit import largest_batch, longest_sequence  # noqa: E402
+from training.precision import apply_vram_budget, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 
 
 def parse_args(argv):

@@ -2,6 +2,7 @@
 
     python scripts/sample.py outputs/tiny-sdpa-shakespeare --prompt "ROMEO:" --tokens 200
     python scripts/sample.py outputs/run/checkpoints/step_0000300.pt --temperature 0.7 --top-k 50
+    python scripts/sample.py outputs/fsdp-run/checkpoints/step_0000300   # a sharded (FSDP) checkpoint
 
 A run folder means its newest checkpoint. The tokenizer comes from the data settings saved in the
 checkpoint (the token cache is rebuilt if it is missing).
@@ -20,7 +21,7 @@ from data.tokenizers import load_tokenizer  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
-from training.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from training.checkpoint import NAME, latest_checkpoint, load_checkpoint, load_into_plain_model, saved_vocab_size  # noqa: E402
 from training.cli import fail  # noqa: E402
 from training.errors import UserError  # noqa: E402
 from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
@@ -39,28 +40,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_state(path: Path) -> dict:
-    if path.is_dir():
+def load_state(path: Path):
+    """(checkpoint path, its state): the newest checkpoint of a run folder, or the checkpoint named."""
+    if not NAME.match(path.name):
         found, state = latest_checkpoint(path)
         if state is None:
-            raise UserError(f"{path} holds no checkpoint; give a run folder with checkpoints/ or a .pt file")
-        return state
-    return load_checkpoint(path)
+            raise UserError(f"{path} holds no checkpoint; give a run folder with checkpoints/ or a checkpoint")
+        return found, state
+    return path, load_checkpoint(path)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    state = load_state(Path(args.checkpoint))
+    path, state = load_state(Path(args.checkpoint))
     config = state["config"]
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
     tokenizer = load_tokenizer(prepare(DataConfig(**config["data"])).manifest)
     model_cfg = ModelConfig(**config["model"])
-    model_cfg.vocab_size = state["model"]["wte.weight"].shape[0]
+    model_cfg.vocab_size = saved_vocab_size(state)
     model_cfg.dropout = 0.0
     attend, _ = build_attention(AttentionConfig(name="sdpa", window=config["attention"].get("window")), device)
     model = GPT(model_cfg, attend).to(device).eval()
-    model.load_state_dict(state["model"])
+    load_into_plain_model(path, state, model)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise UserError("--prompt encodes to no tokens; give some text")

@@ -162,8 +162,11 @@ def test_wrong_values_are_rejected_when_the_config_is_built(data_cache, group, k
 def test_resume_from_a_folder_or_a_foreign_torch_file(tmp_path, data_cache):
     import torch
 
-    cfg = tiny_config(data_cache, max_steps=2, resume=str(tmp_path))
-    with pytest.raises(UserError, match="no such checkpoint file"):
+    cfg = tiny_config(data_cache, max_steps=2, resume=str(tmp_path / "missing.pt"))
+    with pytest.raises(UserError, match="no such checkpoint; use trainer.resume=auto or none"):
+        loop.train(cfg, tmp_path / "run")
+    cfg.trainer.resume = str(tmp_path)
+    with pytest.raises(UserError, match="is a folder but not a complete sharded checkpoint"):
         loop.train(cfg, tmp_path / "run")
     foreign = tmp_path / "weights.pt"
     torch.save({"state_dict": {"w": torch.ones(2)}}, foreign)

@@ -19,7 +19,7 @@ CASES = [
     pytest.param(["model.block_size=-1"], "model.block_size=-1 must be a positive integer", id="negative-block"),
     pytest.param(["optim.schedule=linear"], "optim.schedule='linear' is not one of cosine, wsd, constant", id="bad-schedule"),
     pytest.param(["attention=flash", "attention.strict=true"], "attention=flash cannot run", id="flash-strict-on-cpu"),
-    pytest.param(["trainer.resume=/nonexistent/ckpt.pt"], "no such checkpoint file", id="missing-checkpoint"),
+    pytest.param(["trainer.resume=/nonexistent/ckpt.pt"], "no such checkpoint; use trainer.resume=auto", id="missing-checkpoint"),
 ]
 
 

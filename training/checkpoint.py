@@ -1,20 +1,30 @@
-"""Checkpoints: atomic writes, the last N kept, and resume that skips a damaged newest file.
+"""Checkpoints: atomic writes, the last N kept, and resume that skips a damaged newest checkpoint.
 
 A checkpoint is one file ``<run dir>/checkpoints/step_XXXXXXX.pt`` holding plain tensors and
 containers only, so it loads with ``torch.load(weights_only=True)``: model, optimizer, grad scaler,
 step, RNG states, data-loader position, the config it was made with, and the wandb run id.
+
+Under FSDP (``trainer.distributed=fsdp``) it is a folder ``step_XXXXXXX/`` instead: every rank
+writes its shards of the model and optimizer with ``torch.distributed.checkpoint`` (DCP) and rank 0
+adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
+FSDP with any number of ranks.
 """
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from training.errors import UserError
 
-NAME = re.compile(r"^step_(\d+)\.pt$")
+NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+META = "meta.pt"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -41,18 +51,91 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step:07d}.pt"
     tmp = folder / f".step_{step:07d}.pt.tmp"
-    with open(tmp, "wb") as f:
+    _write_synced(tmp, state)
+    os.replace(tmp, final)
+    _fsync_dir(folder)
+    prune(run_dir, step, keep)
+    return final
+
+
+def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: dict, keep: int, is_main: bool) -> Path:
+    """Every rank writes its shards of ``model`` and ``optimizer``; rank 0 adds ``meta`` and publishes.
+
+    All ranks must call this together. The shards go to a temporary folder that rank 0 renames to
+    ``step_XXXXXXX`` only after every rank has finished and ``meta.pt`` is on disk, so a crash
+    leaves no half-written checkpoint under a checkpoint's name.
+    """
+    folder = checkpoint_dir(run_dir)
+    final, tmp = folder / f"step_{step:07d}", folder / f".step_{step:07d}.tmp"
+    if is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    _barrier()
+    if is_main:
+        _write_synced(tmp / META, meta)
+        remove_checkpoint(final)
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+        prune(run_dir, step, keep)
+    _barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: Path, model, optimizer) -> None:
+    """Read the shards of ``path`` into the sharded ``model`` and ``optimizer`` (all ranks together)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_into_plain_model(path: Path, state: dict, model) -> None:
+    """The weights of any checkpoint, whole or sharded, into an unsharded model in one process."""
+    if not state["sharded"]:
+        model.load_state_dict(state["model"])
+        return
+    weights = model.state_dict()
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": weights}, checkpoint_id=path, no_dist=not dist.is_initialized())  # gathers every rank's shards
+    model.load_state_dict(weights)
+
+
+def saved_vocab_size(state: dict) -> int:
+    return state["vocab_size"] if "vocab_size" in state else state["model"]["wte.weight"].shape[0]
+
+
+def prune(run_dir: Path, step: int, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints up to ``step``; drop the rest and any newer than ``step``.
+
+    Newer ones belong to an abandoned timeline (a damaged newest one was skipped, or an older one
+    was resumed by name): they would outrank this save, and pruning could delete it.
+    """
+    kept = [p for p in list_checkpoints(run_dir) if int(NAME.match(p.name).group(1)) <= step]
+    for old in set(list_checkpoints(run_dir)) - set(kept[-keep:]):
+        remove_checkpoint(old)
+
+
+def remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _write_synced(path: Path, state: dict) -> None:
+    with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(folder)
-    # Newer files belong to an abandoned timeline (a damaged newest one was skipped, or an older file was
-    # resumed by name): drop them, or they would outrank this save and pruning could delete it.
-    kept = [p for p in list_checkpoints(run_dir) if int(NAME.match(p.name).group(1)) <= step]
-    for old in set(list_checkpoints(run_dir)) - set(kept[-keep:]):
-        old.unlink(missing_ok=True)
-    return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -64,16 +147,26 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Load one checkpoint on the CPU; UserError naming the file when it cannot be read."""
+    """Load one checkpoint on the CPU; UserError naming the file when it cannot be read.
+
+    For a sharded checkpoint (a folder) this is its ``meta.pt`` with ``"sharded": True``; the
+    weights stay on disk until ``load_sharded_checkpoint``.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"trainer.resume={path}: no such checkpoint file; use trainer.resume=auto or none")
+    sharded = path.is_dir()
+    if not (path.is_file() or sharded):
+        raise UserError(f"trainer.resume={path}: no such checkpoint; use trainer.resume=auto or none")
+    if sharded and not (path / ".metadata").is_file():
+        raise UserError(f"{path} is a folder but not a complete sharded checkpoint (no .metadata inside); give a "
+                        "checkpoint (checkpoints/step_XXXXXXX.pt, or the checkpoints/step_XXXXXXX folder of an FSDP "
+                        "run) or trainer.resume=auto")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated zip, bad pickle, not a torch file at all
         raise UserError(f"checkpoint {path} is corrupt or not a nanoflash checkpoint ({type(err).__name__})") from err
-    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+    if not isinstance(state, dict) or "step" not in state or ("model" not in state and not sharded):
         raise UserError(f"checkpoint {path} is not a nanoflash checkpoint (no model or step inside)")
+    state["sharded"] = sharded
     return state
 
 

@@ -51,7 +51,7 @@ class TrainerConfig:
     seed: int = 1337
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
     vram_budget_gb: Optional[float] = None  # cap GPU memory to act like a smaller card
-    distributed: str = "none"  # none | ddp (start with torchrun --nproc_per_node=N)
+    distributed: str = "none"  # none | ddp | fsdp (start with torchrun --nproc_per_node=N)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     run_name: str = "${model.name}-${attention.name}-${data.name}"

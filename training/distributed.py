@@ -1,23 +1,29 @@
 """Data-parallel training over several processes started by torchrun (one per GPU, or CPU processes).
 
-    torchrun --nproc_per_node=2 train.py trainer.distributed=ddp ...
+    torchrun --nproc_per_node=2 train.py trainer.distributed=ddp|fsdp ...
 
-Every rank holds the whole model (DistributedDataParallel) and trains on its slice of one global
-batch, so N ranks with batch_size B train exactly like one process with batch_size N*B. Rank 0
-logs and writes checkpoints; the others only compute. CUDA ranks talk through NCCL, CPU ranks
-through gloo. With trainer.distributed=none (the default) every function here is a no-op.
+Each rank trains on its slice of one global batch, so N ranks with batch_size B train exactly like
+one process with batch_size N*B. With ``ddp`` every rank holds the whole model
+(DistributedDataParallel); with ``fsdp`` (FSDP2, ``fully_shard`` per transformer block and once
+more for the embeddings and head) each rank holds 1/N of the weights, gradients and optimizer state
+and gathers a block's weights just before using it. Rank 0 logs; the others only compute. CUDA
+ranks talk through NCCL, CPU ranks through gloo. With trainer.distributed=none (the default) every
+function here is a no-op.
 """
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from training.errors import UserError
 
-KINDS = ("none", "ddp")
+KINDS = ("none", "ddp", "fsdp")
 
 
 @dataclass
@@ -25,6 +31,13 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    kind: str = "none"
+    control: Optional[dist.ProcessGroup] = None  # gloo group for host-side flags: agreeing on them never waits for a GPU
+
+    @property
+    def sharded(self) -> bool:
+        """Weights and optimizer state are split over the ranks (FSDP): saving and loading are collective."""
+        return self.kind == "fsdp"
 
     @property
     def enabled(self) -> bool:
@@ -46,7 +59,7 @@ def setup(kind: str, device: torch.device):
     if not launched:
         raise UserError(f"trainer.distributed={kind} runs under torchrun: "
                         f"torchrun --nproc_per_node=N train.py trainer.distributed={kind} ...")
-    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), kind)
     if device.type == "cuda":
         if ranks.local_rank >= torch.cuda.device_count():
             raise UserError(f"local rank {ranks.local_rank} has no GPU ({torch.cuda.device_count()} visible); "
@@ -54,7 +67,9 @@ def setup(kind: str, device: torch.device):
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    ranks.control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
     return ranks, device
 
 
@@ -63,18 +78,49 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> torch.nn.Module:
-    """The module the steps run through: DDP around ``model`` when distributed, else ``model``."""
+def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The module the steps run through: ``model`` itself, inside DDP, or sharded in place by FSDP2.
+
+    Under FSDP the optimizer must be built after this call: sharding replaces the parameters.
+    """
+    if ranks.sharded:
+        return shard(model, device, dtype)
     if not ranks.enabled:
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def no_sync(step_model, last_micro_batch: bool):
-    """Skip the gradient all-reduce on all micro-batches but the last of a step."""
-    if last_micro_batch or not hasattr(step_model, "no_sync"):
-        return nullcontext()
-    return step_model.no_sync()
+def shard(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2: one shard group per transformer block, the root group holds embeddings, final norm and head.
+
+    On the GPU with bf16/fp16 the weights are gathered in that dtype (half the traffic) and the
+    gradients reduced in fp32; the sharded master weights and the optimizer stay fp32.
+    """
+    low_precision = device.type == "cuda" and dtype != torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low_precision else MixedPrecisionPolicy()
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):  # the backward starts with the last block: keep it gathered
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < last)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def gradient_sync(step_model, last_micro_batch: bool):
+    """Reduce gradients over ranks only on the last micro-batch of a step (DDP no_sync, FSDP's flag)."""
+    if hasattr(step_model, "set_requires_gradient_sync"):
+        step_model.set_requires_gradient_sync(last_micro_batch)
+        yield
+    elif last_micro_batch or not hasattr(step_model, "no_sync"):
+        yield
+    else:
+        with step_model.no_sync():
+            yield
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (FSDP's gradient norm) as a plain tensor; plain tensors pass through."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def mean(x: torch.Tensor) -> torch.Tensor:
@@ -95,12 +141,16 @@ def maximum(value):
     return t.item()
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on any (ranks agree to stop at the same step)."""
-    if not dist.is_initialized():
+def any_rank(flag: bool, ranks: Ranks) -> bool:
+    """True on every rank when ``flag`` is true on any (ranks agree to stop at the same step).
+
+    Called every step, so it talks over the CPU (gloo) group: an all-reduce on the GPU stream read
+    back with ``.item()`` would make each step wait for the GPU to finish the one before.
+    """
+    if not ranks.enabled:
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ranks.control)
     return bool(t.item())
 
 

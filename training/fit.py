@@ -18,15 +18,6 @@ from training.config import OptimConfig
 from training.precision import autocast
 
 
-def apply_vram_budget(device: torch.device, budget_gb) -> None:
-    """Cap this process' GPU memory at ``budget_gb`` GiB (trainer.vram_budget_gb); no-op without one."""
-    if budget_gb is None or device.type != "cuda":
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 2**30 / total), index)
-
-
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():

@@ -23,18 +23,22 @@ from training.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_sharded_checkpoint,
+    remove_checkpoint,
     restore_rng_state,
     rng_state,
     save_checkpoint,
+    saved_vocab_size,
+    save_sharded_checkpoint,
 )
 from training.config import TrainConfig, TrainerConfig
 from training.errors import UserError
-from training.fit import apply_vram_budget, auto_batch_size
+from training.fit import auto_batch_size
 from training import distributed
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at, set_lr
-from training.precision import autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
+from training.precision import apply_vram_budget, autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
 from training.signals import StopRequest
 
 # Model options a checkpoint must share with the run that resumes it.
@@ -97,6 +101,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
         print(f"trainer.batch_size=auto: {batch_size} sequences per micro-batch fit")
     attend, backend = build_attention(cfg.attention, device)
     model = GPT(model_cfg, attend).to(device)
+    parallel_model = distributed.wrap(model, ranks, device, dtype)
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
     loader_args = dict(block_size=model_cfg.block_size, batch_size=batch_size, device=device,
@@ -106,7 +111,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     val_loader = BatchLoader(data.val_path, data.dtype, seed=t.seed + 1, rank=ranks.rank,
                              world_size=ranks.world_size, **loader_args)
 
-    start_step, wandb_id = restore(t, run_dir, model_cfg, model, optimizer, scaler, train_loader, device, ranks.is_main)
+    start_step, wandb_id = restore(t, run_dir, model_cfg, model, optimizer, scaler, train_loader, device, ranks)
     if start_step >= t.max_steps:
         print(f"{run_dir} holds a finished run (step {start_step} of {t.max_steps}): extend it with "
               f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
@@ -131,17 +136,19 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     )
     if ranks.is_main:
         write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
-    parallel_model = distributed.wrap(model, ranks, device)
-    step_model = torch.compile(parallel_model) if t.compile else parallel_model
+    step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
 
     started = time.perf_counter()
     loss, val_loss = float("nan"), None
     bad_streak = torch.zeros((), dtype=torch.int64, device=device)  # consecutive bad steps, on the device
     worst_streak = torch.zeros_like(bad_streak)  # longest streak since the last check
     def save(step, loader_state, rng=None):
-        if not ranks.is_main:
-            return None
-        state = checkpoint_state(step, model, optimizer, scaler, loader_state, config_dict, logger.wandb_id, device, rng)
+        if not (ranks.is_main or ranks.sharded):
+            return None  # a whole-model checkpoint is rank 0's alone
+        state = run_state(step, model_cfg, scaler, loader_state, config_dict, logger.wandb_id, device, rng)
+        if ranks.sharded:
+            return save_sharded_checkpoint(run_dir, step, model, optimizer, state, t.keep_checkpoints, ranks.is_main)
+        state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
         return save_checkpoint(run_dir, step, state, t.keep_checkpoints)
 
     with StopRequest() as stop:
@@ -152,7 +159,9 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
                 loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
             except torch.OutOfMemoryError as err:
                 optimizer.zero_grad(set_to_none=True)
-                saved = save(step - 1, loader_before, rng_before) if step - 1 > start_step else None
+                # A sharded save needs every rank, and the others may be waiting inside the failed step.
+                can_save = step - 1 > start_step and not ranks.sharded
+                saved = save(step - 1, loader_before, rng_before) if can_save else None
                 logger.close()
                 raise OutOfMemory(step, saved, t.vram_budget_gb) from err
             bad_streak = (bad_streak + 1) * (~good)
@@ -160,7 +169,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
             meter.tick(tokens_per_step)
             logger.advance()
 
-            stopping = distributed.any_rank(bool(stop.signum), device) if ranks.enabled else bool(stop.signum)
+            stopping = distributed.any_rank(bool(stop.signum), ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps
             eval_due = step % t.eval_interval == 0 or step == t.max_steps
             ckpt_due = step % t.ckpt_interval == 0 or step == t.max_steps or stopping
@@ -201,11 +210,23 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     elapsed = time.perf_counter() - started
     logger.close()
 
-    sample = generate_sample(model, tokenizer, t.sample_tokens if ranks.is_main else 0, device, dtype, t.seed)
+    # Sharded weights are gathered collectively: every rank generates the same text, rank 0 keeps it.
+    generating = ranks.is_main or ranks.sharded
+    sample = generate_sample(model, tokenizer, t.sample_tokens if generating else 0, device, dtype, t.seed)
+    sample = sample if ranks.is_main else ""
     if sample:
         (run_dir / "sample.txt").write_text(sample)
         print(f"--- sample after {t.max_steps} steps ---\n{sample}\n---")
     return {"step": t.max_steps, "loss": loss, "val_loss": val_loss, "backend": backend, "elapsed_s": elapsed, "sample": sample}
+
+
+def compiled(parallel_model, ranks: distributed.Ranks):
+    """``torch.compile`` the model; under FSDP block by block, so the sharding hooks stay between the graphs."""
+    if not ranks.sharded:
+        return torch.compile(parallel_model)
+    for block in parallel_model.blocks:
+        block.compile()
+    return parallel_model
 
 
 def prepare_once(data_cfg, ranks: distributed.Ranks):
@@ -261,14 +282,14 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
     loss_sum = torch.zeros((), device=device)
     for micro in range(t.grad_accum):
         x, y, doc_ids = loader.next_batch()
-        with distributed.no_sync(step_model, micro == t.grad_accum - 1):
+        with distributed.gradient_sync(step_model, micro == t.grad_accum - 1):
             with autocast(device, dtype):
                 _, loss = step_model(x, y, doc_ids)
             loss_sum += loss.detach()
             scaler.scale(loss / t.grad_accum).backward()
     scaler.unscale_(optimizer)
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = distributed.local(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     loss_mean = distributed.mean(loss_sum / t.grad_accum)  # every rank decides on the same loss
     if scaler.is_enabled():
         good = torch.isfinite(loss_mean)
@@ -297,12 +318,12 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> floa
     return distributed.mean(total / iters).item()
 
 
-def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device,
-                     rng: Optional[dict] = None) -> dict:
+def run_state(step, model_cfg: ModelConfig, scaler, loader_state: dict, config: dict, wandb_id: Optional[str], device,
+              rng: Optional[dict] = None) -> dict:
+    """What a checkpoint holds besides the model and optimizer."""
     return {
         "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "vocab_size": model_cfg.vocab_size,
         "scaler": scaler.state_dict(),
         "loader": loader_state,
         "rng": rng if rng is not None else rng_state(device),
@@ -312,14 +333,15 @@ def checkpoint_state(step, model, optimizer, scaler, loader_state: dict, config:
 
 
 def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, optimizer, scaler, loader, device,
-            is_main: bool = True):
+            ranks: distributed.Ranks):
     """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
     if t.resume == "none":
-        old = list_checkpoints(run_dir) if is_main else []
+        old = list_checkpoints(run_dir) if ranks.is_main else []
         if old:
             print(f"trainer.resume=none: starting over, removing {len(old)} old checkpoint(s) in {checkpoint_dir(run_dir)}")
             for path in old:
-                path.unlink()
+                remove_checkpoint(path)
+        distributed.barrier()  # no rank may look for checkpoints while rank 0 removes them
         return 0, None
     if t.resume == "auto":
         path, state = latest_checkpoint(run_dir)
@@ -328,12 +350,16 @@ def restore(t: TrainerConfig, run_dir: Path, model_cfg: ModelConfig, model, opti
     else:
         path, state = Path(t.resume), load_checkpoint(Path(t.resume))
     check_compatible(path, state, model_cfg)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    check_layout(path, state, ranks)
+    if state["sharded"]:
+        load_sharded_checkpoint(path, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     loader.load_state_dict(state["loader"])
     restore_rng_state(state["rng"], device)
-    if is_main:
+    if ranks.is_main:
         print(f"resuming from {path} (step {state['step']})")
     return state["step"], state.get("wandb_id")
 
@@ -343,13 +369,25 @@ def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
     saved = state.get("config", {}).get("model", {})
     for key in SHAPE_KEYS:
         mine = getattr(model_cfg, key)
-        theirs = saved.get(key, mine) if key != "vocab_size" else state["model"]["wte.weight"].shape[0]
+        theirs = saved.get(key, mine) if key != "vocab_size" else saved_vocab_size(state)
         if theirs != mine:
             raise UserError(
                 f"checkpoint {path} was made with model.{key}={theirs} but this run has model.{key}={mine}; "
                 f"resume with the same model and data settings, or start fresh with trainer.resume=none "
                 f"(or another hydra.run.dir)"
             )
+
+
+def check_layout(path: Path, state: dict, ranks: distributed.Ranks) -> None:
+    """Sharded (FSDP) checkpoints resume under FSDP only, whole-model ones under none or ddp only."""
+    if state["sharded"] == ranks.sharded:
+        return
+    if state["sharded"]:
+        raise UserError(f"checkpoint {path} is sharded (saved with trainer.distributed=fsdp); resume it under "
+                        "torchrun with trainer.distributed=fsdp (any number of ranks), or start fresh with "
+                        "trainer.resume=none")
+    raise UserError(f"checkpoint {path} holds the whole model (saved with trainer.distributed=none or ddp); "
+                    "resume it with trainer.distributed=none or ddp, or start fresh with trainer.resume=none")
 
 
 @torch.no_grad()

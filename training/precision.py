@@ -1,4 +1,4 @@
-"""Device and numeric precision: which device and dtype a run uses, autocast and the grad scaler."""
+"""Device and numeric precision: which device and dtype a run uses, its memory cap, autocast and the grad scaler."""
 import contextlib
 
 import torch
@@ -48,3 +48,12 @@ def make_grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.Grad
 
 def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def apply_vram_budget(device: torch.device, budget_gb) -> None:
+    """Cap this process' GPU memory at ``budget_gb`` GiB (trainer.vram_budget_gb); no-op without one."""
+    if budget_gb is None or device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 2**30 / total), index)
