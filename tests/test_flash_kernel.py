@@ -20,12 +20,13 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import flash_attn, flash_attn_available  # noqa: E402
-from kernels.flash_attention import configs, forward  # noqa: E402
+from kernels.flash_attention import configs, forward, launch  # noqa: E402
 from kernels.flash_attention.reference import attention_ref  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -64,6 +65,7 @@ class Case:
     cu: tuple[int, ...] | None = None  # cumulative document lengths (varlen); needs B == 1
     strided: bool = False  # q, k, v are slices of one packed (B, T, H + 2 HKV, D) buffer
     scale: float | None = None
+    offset: int = 0  # q, k, v, do start this many elements into their buffers (pointers not 16-byte aligned)
 
     @property
     def id(self) -> str:
@@ -78,19 +80,24 @@ class Case:
             s += "-strided"
         if self.scale is not None:
             s += f"-scale{self.scale}"
+        if self.offset:
+            s += f"-offset{self.offset}"
         return s
 
 
 def make_inputs(c: Case, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        flat = torch.randn(math.prod(shape) + c.offset, generator=g).to(DEVICE, c.dtype)
+        return flat[c.offset:].view(shape)
+
     if c.strided:
-        buf = torch.randn(c.B, c.T, c.H + 2 * c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
+        buf = randn(c.B, c.T, c.H + 2 * c.HKV, c.D)
         q, k, v = buf.split([c.H, c.HKV, c.HKV], dim=2)
     else:
-        q = torch.randn(c.B, c.T, c.H, c.D, generator=g).to(DEVICE, c.dtype)
-        k = torch.randn(c.B, c.T, c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
-        v = torch.randn(c.B, c.T, c.HKV, c.D, generator=g).to(DEVICE, c.dtype)
-    do = torch.randn(c.B, c.T, c.H, c.D, generator=g).to(DEVICE, c.dtype)
+        q, k, v = randn(c.B, c.T, c.H, c.D), randn(c.B, c.T, c.HKV, c.D), randn(c.B, c.T, c.HKV, c.D)
+    do = randn(c.B, c.T, c.H, c.D)
     cu = None if c.cu is None else torch.tensor(c.cu, dtype=torch.int32, device=DEVICE)
     return q, k, v, do, cu
 
@@ -160,6 +167,7 @@ CPU_CASES = [
     Case(1, 200, 2, 2, 32, F32, cu=DOCS, causal=False),
     Case(2, 100, 4, 2, 32, F16, strided=True),
     Case(1, 77, 2, 1, 48, F32, scale=0.3),
+    Case(1, 50, 2, 1, 32, F16, offset=3),
 ]
 
 
@@ -198,6 +206,7 @@ def _cuda_cases() -> list[Case]:
     for T in (127, 1000):
         for D in (64, 80, 128):
             cases.append(Case(2, T, 4, 2, D, BF16, strided=True))
+            cases.append(Case(2, T, 4, 2, D, F16, offset=1))
     return cases
 
 
@@ -216,6 +225,58 @@ def test_autotuned_path_cuda(monkeypatch, T, D):
     """The autotuned launch (what training and the benchmark use) is correct too."""
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
     check_case(Case(2, T, 8, 2, D, BF16))
+
+
+def test_host_integer_helpers_match_triton():
+    import triton
+
+    assert all(launch.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+    assert all(launch.ceil_div(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in (1, 16, 64, 128))
+
+
+def test_launch_key_separates_what_triton_specialises_on():
+    """The launch cache reuses a compiled kernel only for arguments Triton would compile the same."""
+    from kernels.flash_attention.launch import launch_key
+
+    buf = torch.zeros(64)
+    base = dict(Q=buf[:16], qk_scale=0.5, T=16, H=2, IS_CAUSAL=True, CU_SEQLENS=None)
+    same_binary = dict(base, Q=buf[16:32], qk_scale=0.25)  # another 16-byte aligned tensor, another scale
+    assert launch_key("fwd", base) == launch_key("fwd", same_binary)
+    for other in (dict(base, Q=buf[1:17]), dict(base, Q=buf[:16].half()), dict(base, T=17), dict(base, H=1),
+                  dict(base, IS_CAUSAL=False), dict(base, CU_SEQLENS=buf.int())):
+        assert launch_key("fwd", base) != launch_key("fwd", other)
+    assert launch_key("fwd", base) != launch_key("dq", base)
+
+
+@gpu
+@pytest.mark.gpu
+def test_launch_cache_gives_misaligned_inputs_their_own_binary_cuda():
+    """Same shapes and strides, 16-byte aligned and then not: the binary compiled for the first
+    (which may assume aligned pointers) must not run the second."""
+    aligned = Case(2, 200, 4, 2, 64, BF16)
+    check_case(aligned)
+    known = set(launch._COMPILED)
+    check_case(dataclasses.replace(aligned, offset=1))
+    assert set(launch._COMPILED) - known, "misaligned inputs reused the aligned inputs' binaries"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuned", ["0", "1"])
+def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", tuned)
+    q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
+
+    def run():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        o = flash_attn(qg, kg, vg)
+        return (o, *torch.autograd.grad(o, (qg, kg, vg), do))
+
+    run()  # the first call per key goes through Triton's launch and fills the cache
+    cached = run()
+    monkeypatch.setenv("NANOFLASH_LAUNCH_CACHE", "0")
+    for a, b in zip(cached, run()):
+        assert torch.equal(a, b)
 
 
 @gpu
@@ -372,6 +433,7 @@ def test_consumer_default_config_runs(monkeypatch):
     chosen = {kind: configs.filter_configs(kind, configs.candidate_configs(kind, "consumer"),
                                            configs.SMEM_CONSUMER, D, 2)[0]
               for kind in ("fwd", "dkdv", "dq")}
-    monkeypatch.setattr(forward, "autotune_enabled", lambda: False)
-    monkeypatch.setattr(forward, "default_config", lambda kind, *a: chosen[kind])
+    monkeypatch.setattr(launch, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
+    monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
     check_case(Case(1, 70, 2, 1, D, F16))

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .configs import make_pruner, triton_configs
-from .forward import _dot, _load_rows, launch, seq_layout
+from .forward import LOG2E, _dot, _load_rows, seq_layout
+from .launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -322,8 +323,6 @@ def attn_bwd(
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
     last dims contiguous. Returns dq (like q), dk (like k), dv (like v), contiguous.
     """
-    from .forward import LOG2E
-
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     dq = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
@@ -332,7 +331,9 @@ def attn_bwd(
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
+    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
+    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
 
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
@@ -342,23 +343,23 @@ def attn_bwd(
         Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, CU_SEQLENS=cu_seqlens,
         qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale,
         T=T, H=H, G=H // H_kv, WINDOW=window,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_kt=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
-        stride_dob=do.stride(0), stride_dot=do.stride(1), stride_doh=do.stride(2),
-        T_BUCKET=triton.next_power_of_2(max_len),
+        stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
+        stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
+        stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
+        stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
+        T_BUCKET=next_power_of_2(max_len),
         HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )
     launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, "dq", max_len, (n_seq, H),
            dict(common, O=o, DLSE=dlse, HAS_DLSE=dlse is not None, DQ=dq,
-                stride_ob=o.stride(0), stride_ot=o.stride(1), stride_oh=o.stride(2),
-                stride_dqb=dq.stride(0), stride_dqt=dq.stride(1), stride_dqh=dq.stride(2)),
+                stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
+                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2]),
            block_d, q.element_size(), q.device)
     launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, "dkdv", max_len, (n_seq, H_kv),
            dict(common, DK=dk, DV=dv,
-                stride_dkb=dk.stride(0), stride_dkt=dk.stride(1), stride_dkh=dk.stride(2),
-                stride_dvb=dv.stride(0), stride_dvt=dv.stride(1), stride_dvh=dv.stride(2)),
+                stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
+                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2]),
            block_d, q.element_size(), q.device)
     return dq, dk, dv

@@ -24,13 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import (
-    TileConfig,
-    autotune_enabled,
-    default_config,
-    make_pruner,
-    triton_configs,
-)
+from .configs import make_pruner, triton_configs
+from .launch import launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -201,35 +196,6 @@ def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, i
     return n, max_len
 
 
-_TUNED: dict[tuple, TileConfig] = {}  # autotune key -> config the autotuner picked
-
-
-def launch(kernel_jit, kernel_tuned, kind: str, grid_rows: int, grid_yz: tuple[int, int],
-           args: dict, block_d: int, elem_bytes: int, device) -> None:
-    """Launch a kernel autotuned, or with its default config (interpreter / no-autotune).
-
-    Grid axis 0 tiles ``grid_rows`` by the kernel's resident block (``BLOCK_N`` rows of keys for
-    dK/dV, ``BLOCK_M`` rows of queries otherwise); axes 1, 2 are ``grid_yz``.
-    """
-    tile = "BLOCK_N" if kind == "dkdv" else "BLOCK_M"
-    if autotune_enabled():
-        key = (kind, args["T_BUCKET"], args["HEAD_DIM"], args["IS_CAUSAL"], args["HAS_WINDOW"],
-               args["IS_VARLEN"], args["Q"].dtype, device.index)
-        cfg = _TUNED.get(key)
-        if cfg is None:  # first call for this key: let the autotuner time the configs
-            kernel_tuned[lambda meta: (triton.cdiv(grid_rows, meta[tile]), *grid_yz)](**args)
-            best = kernel_tuned.best_config
-            _TUNED[key] = TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"],
-                                     best.num_warps, best.num_stages)
-            return
-        # later calls skip the autotuner's per-call key building (CPU time on short sequences)
-    else:
-        cfg = default_config(kind, device, block_d, elem_bytes)
-    grid = (triton.cdiv(grid_rows, getattr(cfg, tile)), *grid_yz)
-    kernel_jit[grid](**args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -251,15 +217,16 @@ def attn_fwd(
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return o, lse
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
+    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
     args = dict(
         Q=q, K=k, V=v, O=o, LSE=lse, CU_SEQLENS=cu_seqlens,
         qk_scale=softmax_scale * LOG2E, T=T, H=H, G=H // H_kv, WINDOW=window,
-        stride_qb=q.stride(0), stride_qt=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_kt=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vt=v.stride(1), stride_vh=v.stride(2),
-        stride_ob=o.stride(0), stride_ot=o.stride(1), stride_oh=o.stride(2),
-        T_BUCKET=triton.next_power_of_2(max_len),
+        stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
+        stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
+        stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
+        stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
+        T_BUCKET=next_power_of_2(max_len),
         HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,

@@ -1,0 +1,189 @@
+"""Where the time of one flash-attention call goes: host time per piece, GPU time per kernel.
+
+    python scripts/profile_flash.py --out OUTDIR      # writes profile.json and profile.md
+
+1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
+   tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
+   allocations, the launch functions, the public function, the autograd round trip, with our
+   launch cache on and off (NANOFLASH_LAUNCH_CACHE), next to SDPA's FlashAttention-2 and cuDNN.
+2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
+   ``triton.testing.do_bench`` (L2 flushed before each call, as the benchmarks do), and the GPU
+   time of each kernel from ``torch.profiler``. Wall time far above the kernels' sum means the
+   call is host-bound.
+
+Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.flash_attention import flash_attn  # noqa: E402
+from kernels.flash_attention.backward import attn_bwd  # noqa: E402
+from kernels.flash_attention.forward import attn_fwd  # noqa: E402
+
+SHAPES = [(16, 12, 1024, 64), (4, 12, 2048, 64), (64, 12, 512, 64)]  # (B, H, T, D)
+
+
+def per_call_us(fn, calls: int = 300) -> float:
+    """Median over 5 rounds of the mean wall time of ``calls`` back-to-back calls, in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(rounds)[2]
+
+
+def sdpa_step(backend, q, k, v, do):
+    from torch.nn.attention import sdpa_kernel
+
+    def step():
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    return step
+
+
+class _Identity(torch.autograd.Function):
+    """The autograd round trip alone: a Python Function that launches nothing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
+    """Host microseconds per call of each piece, at a shape small enough to be host-bound."""
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    scale = D ** -0.5
+    o, lse = attn_fwd(q, k, v, scale, True, 0, None)
+    qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
+
+    def fwd_bwd():
+        torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
+
+    found = {
+        "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
+        "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
+    }
+    before = os.environ.get("NANOFLASH_LAUNCH_CACHE")
+    for cache, tag in (("1", "cache on"), ("0", "cache off")):
+        os.environ["NANOFLASH_LAUNCH_CACHE"] = cache
+        found[f"attn_fwd ({tag})"] = per_call_us(lambda: attn_fwd(q, k, v, scale, True, 0, None))
+        found[f"attn_bwd ({tag})"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True, 0, None))
+        found[f"flash_attn, no grad ({tag})"] = per_call_us(lambda: flash_attn(q, k, v))
+        found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
+    if before is None:
+        os.environ.pop("NANOFLASH_LAUNCH_CACHE")
+    else:
+        os.environ["NANOFLASH_LAUNCH_CACHE"] = before
+    found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh))
+    found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh))
+    return found
+
+
+def kernel_times_us(step, iters: int = 20) -> dict:
+    """GPU microseconds per call of each kernel ``step`` launches (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    found = {}
+    for event in prof.key_averages():
+        gpu_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if event.device_type.name == "CUDA" and gpu_us > 0:
+            found[event.key[:80]] = gpu_us / iters
+    return found
+
+
+def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
+    import triton
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+    qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
+
+    def ours():
+        torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
+
+    steps = {"flash": ours, "sdpa-fa2": sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh),
+             "sdpa-cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh)}
+    result = {}
+    for name, step in steps.items():
+        kernels = kernel_times_us(step)
+        result[name] = {
+            "back_to_back_us": per_call_us(step, calls=50),
+            "do_bench_us": triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3,
+            "kernels_us": kernels,
+            "kernels_sum_us": sum(kernels.values()),
+        }
+    return result
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# profile_flash ({report['device']}, torch {report['torch']}, triton {report['triton']})", "",
+             f"## Host time per call at (B, H, T, D) = {tuple(report['host_shape'])}, bf16 (microseconds)", "",
+             "| piece | us per call |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in report["host"].items()]
+    for shape, found in report["shapes"].items():
+        lines += ["", f"## {shape}, bf16, forward+backward", "",
+                  "| backend | back-to-back us | do_bench us (L2 flushed) | sum of kernels us | kernels |",
+                  "|---|---|---|---|---|"]
+        for name, r in found.items():
+            kernels = "; ".join(f"{k} {v:.0f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {name} | {r['back_to_back_us']:.0f} | {r['do_bench_us']:.0f} | {r['kernels_sum_us']:.0f} "
+                         f"| {kernels} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for profile.json and profile.md")
+    p.add_argument("--host-shape", type=int, nargs=4, default=[1, 2, 128, 64], metavar=("B", "H", "T", "D"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("profile_flash.py needs a CUDA GPU")
+    import triton
+
+    dtype = torch.bfloat16
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "host_shape": args.host_shape, "host": host_pieces(*args.host_shape, dtype),
+              "shapes": {str(s): shape_profile(*s, dtype) for s in SHAPES}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (args.out / "profile.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
