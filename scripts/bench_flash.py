@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -129,9 +128,8 @@ def chosen_configs() -> dict:
     from kernels.flash_attention import backward, forward
 
     out = {}
-    for name, tuner in (("fwd", forward._attn_fwd_tuned), ("dkdv", backward._attn_bwd_dkdv_tuned),
-                        ("dq", backward._attn_bwd_dq_tuned)):
-        out[name] = {str(k): str(v) for k, v in getattr(tuner, "cache", {}).items()}
+    for kernel in (forward.FWD, backward.DKDV, backward.DQ):
+        out[kernel.kind] = {str(k): str(v) for k, v in getattr(kernel.tuned, "cache", {}).items()}
     return out
 
 
@@ -151,6 +149,7 @@ def main() -> None:
     from torch.nn.attention import SDPBackend
 
     from kernels import flash_attn
+    from kernels.flash_attention import launch
 
     shapes = SHAPES if not args.shapes else [
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
@@ -166,7 +165,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dtype": "bfloat16",
         "causal": True,
-        "autotune": os.environ.get("NANOFLASH_AUTOTUNE", "1") != "0",
+        "autotune": launch.AUTOTUNE,
         "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
     }
     rows = []

@@ -5,7 +5,7 @@
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
    allocations, the launch functions, the public function, the autograd round trip, with our
-   launch cache on and off (NANOFLASH_LAUNCH_CACHE), next to SDPA's FlashAttention-2 and cuDNN.
+   launch cache on and off (kernels/flash_attention/launch.py), next to SDPA's FlashAttention-2 and cuDNN.
 2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
    ``triton.testing.do_bench`` (L2 flushed before each call, as the benchmarks do), and the GPU
    time of each kernel from ``torch.profiler``. Wall time far above the kernels' sum means the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.flash_attention import flash_attn  # noqa: E402
+from kernels.flash_attention import flash_attn, launch  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
 
@@ -89,17 +88,14 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
         "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
         "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
     }
-    before = os.environ.get("NANOFLASH_LAUNCH_CACHE")
-    for cache, tag in (("1", "cache on"), ("0", "cache off")):
-        os.environ["NANOFLASH_LAUNCH_CACHE"] = cache
+    before = launch.LAUNCH_CACHE
+    for cache, tag in ((True, "cache on"), (False, "cache off")):
+        launch.LAUNCH_CACHE = cache
         found[f"attn_fwd ({tag})"] = per_call_us(lambda: attn_fwd(q, k, v, scale, True, 0, None))
         found[f"attn_bwd ({tag})"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True, 0, None))
         found[f"flash_attn, no grad ({tag})"] = per_call_us(lambda: flash_attn(q, k, v))
         found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
-    if before is None:
-        os.environ.pop("NANOFLASH_LAUNCH_CACHE")
-    else:
-        os.environ["NANOFLASH_LAUNCH_CACHE"] = before
+    launch.LAUNCH_CACHE = before
     found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh))
     found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh))
     return found

@@ -46,10 +46,10 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @pytest.fixture(autouse=True)
 def _no_autotune_by_default(monkeypatch):
-    """Launch each kernel's first fitting config (bounded compile time); tests of the tuned path
-    set NANOFLASH_AUTOTUNE=1 themselves."""
+    """Launch each kernel's first fitting config (bounded compile time) unless NANOFLASH_AUTOTUNE
+    is set; tests of the tuned path turn autotuning on themselves."""
     if "NANOFLASH_AUTOTUNE" not in os.environ:
-        monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+        monkeypatch.setattr(launch, "AUTOTUNE", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +223,7 @@ def test_flash_matches_reference_cuda(case):
 @pytest.mark.parametrize("T", [1000, 2048])
 def test_autotuned_path_cuda(monkeypatch, T, D):
     """The autotuned launch (what training and the benchmark use) is correct too."""
-    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(launch, "AUTOTUNE", True)
     check_case(Case(2, T, 8, 2, D, BF16))
 
 
@@ -236,16 +236,24 @@ def test_host_integer_helpers_match_triton():
 
 def test_launch_key_separates_what_triton_specialises_on():
     """The launch cache reuses a compiled kernel only for arguments Triton would compile the same."""
-    from kernels.flash_attention.launch import launch_key
+    from kernels.flash_attention.backward import DQ
+    from kernels.flash_attention.forward import FWD
 
     buf = torch.zeros(64)
-    base = dict(Q=buf[:16], qk_scale=0.5, T=16, H=2, IS_CAUSAL=True, CU_SEQLENS=None)
-    same_binary = dict(base, Q=buf[16:32], qk_scale=0.25)  # another 16-byte aligned tensor, another scale
-    assert launch_key("fwd", base) == launch_key("fwd", same_binary)
-    for other in (dict(base, Q=buf[1:17]), dict(base, Q=buf[:16].half()), dict(base, T=17), dict(base, H=1),
-                  dict(base, IS_CAUSAL=False), dict(base, CU_SEQLENS=buf.int())):
-        assert launch_key("fwd", base) != launch_key("fwd", other)
-    assert launch_key("fwd", base) != launch_key("dq", base)
+    pointers, ints, cpu = dict(Q=buf[:16], CU_SEQLENS=None), dict(T=16, H=2, IS_CAUSAL=True), torch.device("cpu")
+    key = launch.launch_key(FWD, pointers, ints, cpu, True)
+    assert key == launch.launch_key(FWD, dict(pointers, Q=buf[16:32]), ints, cpu, True)  # another aligned tensor
+    others = [
+        (FWD, dict(pointers, Q=buf[1:17]), ints, cpu, True),  # pointer not 16-byte aligned
+        (FWD, dict(pointers, Q=buf[:16].half()), ints, cpu, True),
+        (FWD, dict(pointers, CU_SEQLENS=buf.int()), ints, cpu, True),
+        (FWD, pointers, dict(ints, T=17), cpu, True),
+        (FWD, pointers, dict(ints, IS_CAUSAL=False), cpu, True),
+        (FWD, pointers, ints, torch.device("cuda", 1), True),
+        (FWD, pointers, ints, cpu, False),  # autotuning off picks another config
+        (DQ, pointers, ints, cpu, True),
+    ]
+    assert all(launch.launch_key(*other) != key for other in others)
 
 
 @gpu
@@ -262,9 +270,9 @@ def test_launch_cache_gives_misaligned_inputs_their_own_binary_cuda():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuned", ["0", "1"])
+@pytest.mark.parametrize("tuned", [False, True])
 def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
-    monkeypatch.setenv("NANOFLASH_AUTOTUNE", tuned)
+    monkeypatch.setattr(launch, "AUTOTUNE", tuned)
     q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
 
     def run():
@@ -274,7 +282,7 @@ def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned
 
     run()  # the first call per key goes through Triton's launch and fills the cache
     cached = run()
-    monkeypatch.setenv("NANOFLASH_LAUNCH_CACHE", "0")
+    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
     for a, b in zip(cached, run()):
         assert torch.equal(a, b)
 
@@ -433,7 +441,7 @@ def test_consumer_default_config_runs(monkeypatch):
     chosen = {kind: configs.filter_configs(kind, configs.candidate_configs(kind, "consumer"),
                                            configs.SMEM_CONSUMER, D, 2)[0]
               for kind in ("fwd", "dkdv", "dq")}
-    monkeypatch.setattr(launch, "autotune_enabled", lambda: False)
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
     monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
     monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
     check_case(Case(1, 70, 2, 1, D, F16))

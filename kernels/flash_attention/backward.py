@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .configs import make_pruner, triton_configs
 from .forward import LOG2E, _dot, _load_rows, seq_layout
-from .launch import launch, next_power_of_2
+from .launch import Kernel, launch, next_power_of_2
 
 
 @triton.jit
@@ -295,14 +295,14 @@ def _attn_bwd_dq_kernel(
 
 
 _AUTOTUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"]
-_attn_bwd_dkdv_tuned = triton.autotune(
+DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, triton.autotune(
     configs=triton_configs("dkdv"), key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": make_pruner("dkdv")},
-)(_attn_bwd_dkdv_kernel)
-_attn_bwd_dq_tuned = triton.autotune(
+)(_attn_bwd_dkdv_kernel), resident="BLOCK_N")
+DQ = Kernel("dq", _attn_bwd_dq_kernel, triton.autotune(
     configs=triton_configs("dq"), key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": make_pruner("dq")},
-)(_attn_bwd_dq_kernel)
+)(_attn_bwd_dq_kernel), resident="BLOCK_M")
 
 
 def attn_bwd(
@@ -339,27 +339,30 @@ def attn_bwd(
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
 
-    common = dict(
-        Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, CU_SEQLENS=cu_seqlens,
-        qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale,
-        T=T, H=H, G=H // H_kv, WINDOW=window,
-        stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
-        stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
-        stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
-        stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
-        T_BUCKET=next_power_of_2(max_len),
-        HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
-        IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-        IEEE=q.dtype == torch.float32,
-    )
-    launch(_attn_bwd_dq_kernel, _attn_bwd_dq_tuned, "dq", max_len, (n_seq, H),
-           dict(common, O=o, DLSE=dlse, HAS_DLSE=dlse is not None, DQ=dq,
+    scales = dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale)
+    t_bucket, even_d, varlen, ieee = next_power_of_2(max_len), D == block_d, cu_seqlens is not None, q.dtype == torch.float32
+    launch(DQ, max_len, (n_seq, H),
+           dict(Q=q, K=k, V=v, O=o, DO=do, LSE=lse, DLSE=dlse, DELTA=delta, DQ=dq, CU_SEQLENS=cu_seqlens), scales,
+           dict(T=T, H=H, G=H // H_kv, WINDOW=window,
+                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
+                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
+                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
                 stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
-                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2]),
-           block_d, q.element_size(), q.device)
-    launch(_attn_bwd_dkdv_kernel, _attn_bwd_dkdv_tuned, "dkdv", max_len, (n_seq, H_kv),
-           dict(common, DK=dk, DV=dv,
+                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
+                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2],
+                T_BUCKET=t_bucket, HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=even_d, IS_CAUSAL=causal,
+                HAS_WINDOW=window > 0, IS_VARLEN=varlen, HAS_DLSE=dlse is not None, IEEE=ieee),
+           q.device)
+    launch(DKDV, max_len, (n_seq, H_kv),
+           dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, CU_SEQLENS=cu_seqlens), scales,
+           dict(T=T, H=H, G=H // H_kv, WINDOW=window,
+                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
+                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
+                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
+                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
                 stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
-                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2]),
-           block_d, q.element_size(), q.device)
+                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2],
+                T_BUCKET=t_bucket, HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=even_d, IS_CAUSAL=causal,
+                HAS_WINDOW=window > 0, IS_VARLEN=varlen, IEEE=ieee),
+           q.device)
     return dq, dk, dv

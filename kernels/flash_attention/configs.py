@@ -12,7 +12,7 @@ backward dQ kernel (``dq``). Each config sets two tile sizes (``BLOCK_M`` rows o
   never compiles a config that cannot fit.
 * Under ``TRITON_INTERPRET=1`` (CPU) Triton cannot time configs, so one small config is used.
 * ``NANOFLASH_AUTOTUNE=0`` also skips tuning and launches the first config that fits (used by the
-  GPU test matrix to keep compile time bounded).
+  GPU test matrix to keep compile time bounded); see ``launch.py``.
 """
 
 from __future__ import annotations
@@ -112,10 +112,6 @@ INTERPRET_CONFIGS: dict[str, TileConfig] = {
 
 def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def autotune_enabled() -> bool:
-    return not is_interpreter() and os.environ.get("NANOFLASH_AUTOTUNE", "1") != "0"
 
 
 def smem_estimate(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> int:

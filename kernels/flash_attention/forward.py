@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import make_pruner, triton_configs
-from .launch import launch, next_power_of_2
+from .launch import Kernel, launch, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -180,11 +180,11 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=m_mask)
 
 
-_attn_fwd_tuned = triton.autotune(
+FWD = Kernel("fwd", _attn_fwd_kernel, triton.autotune(
     configs=triton_configs("fwd"),
     key=["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
     prune_configs_by={"early_config_prune": make_pruner("fwd")},
-)(_attn_fwd_kernel)
+)(_attn_fwd_kernel), resident="BLOCK_M")
 
 
 def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
@@ -219,9 +219,9 @@ def attn_fwd(
         return o, lse
     block_d = max(16, next_power_of_2(D))
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
-    args = dict(
-        Q=q, K=k, V=v, O=o, LSE=lse, CU_SEQLENS=cu_seqlens,
-        qk_scale=softmax_scale * LOG2E, T=T, H=H, G=H // H_kv, WINDOW=window,
+    pointers = dict(Q=q, K=k, V=v, O=o, LSE=lse, CU_SEQLENS=cu_seqlens)
+    ints = dict(
+        T=T, H=H, G=H // H_kv, WINDOW=window,
         stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
         stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
         stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
@@ -231,8 +231,7 @@ def attn_fwd(
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )
-    launch(_attn_fwd_kernel, _attn_fwd_tuned, "fwd", max_len, (n_seq, H), args,
-           block_d, q.element_size(), q.device)
+    launch(FWD, max_len, (n_seq, H), pointers, dict(qk_scale=softmax_scale * LOG2E), ints, q.device)
     return o, lse
 
 

@@ -15,6 +15,7 @@ Saved for backward: q, k, v, o (B, T, H, D) and lse (B, H, T) float32 -- O(T) me
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -144,8 +145,6 @@ def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(
             f"flash_attn: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    import os
-
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"flash_attn: tensors must be on a CUDA device (got {q.device}); on CPU set "
