@@ -143,7 +143,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_flash.py needs a CUDA GPU")
+        print("bench_flash.py times our kernel against SDPA's CUDA kernels and needs a CUDA GPU; on CPU, "
+              "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
+        sys.exit(2)
 
     import triton
     from torch.nn.attention import SDPBackend

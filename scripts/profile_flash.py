@@ -170,7 +170,9 @@ def main(argv=None) -> None:
     p.add_argument("--host-shape", type=int, nargs=4, default=[1, 2, 128, 64], metavar=("B", "H", "T", "D"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("profile_flash.py needs a CUDA GPU")
+        print("profile_flash.py measures CUDA launches and kernels and needs a CUDA GPU; on CPU, "
+              "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
+        sys.exit(2)
     import triton
 
     dtype = torch.bfloat16

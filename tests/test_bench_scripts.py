@@ -100,6 +100,14 @@ def test_fit_fails_clearly_without_cuda():
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("script", ["bench_flash.py", "profile_flash.py"])
+def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
+    proc = run([f"scripts/{script}", "--out", str(tmp_path)])
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "bench_attention.py --device cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
