@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_flash import sdpa_fn  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from kernels.flash_attention import flash_attn, launch  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
@@ -48,12 +48,11 @@ def per_call_us(fn, calls: int = 300) -> float:
 
 
 def sdpa_step(backend, q, k, v, do):
-    from torch.nn.attention import sdpa_kernel
+    """Forward and backward of SDPA forced to ``backend``; q, k, v, do: (B, H, T, D)."""
+    attend = sdpa_fn(backend)
 
     def step():
-        with sdpa_kernel(backend):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.autograd.grad(o, (q, k, v), do)
+        torch.autograd.grad(attend(q, k, v), (q, k, v), do)
 
     return step
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from training import distributed
 from training.errors import UserError
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
@@ -70,17 +71,17 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-    _barrier()
+    distributed.barrier()
     if is_main:
         _write_synced(tmp / META, meta)
         remove_checkpoint(final)
         os.replace(tmp, final)
         _fsync_dir(folder)
         prune(run_dir, step, keep)
-    _barrier()
+    distributed.barrier()
     return final
 
 
@@ -131,11 +132,6 @@ def _write_synced(path: Path, state: dict) -> None:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(folder: Path) -> None:
