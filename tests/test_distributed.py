@@ -125,3 +125,22 @@ def test_an_unknown_distributed_kind_lists_the_choices(tmp_path, data_cache):
     args = command([sys.executable], tmp_path, data_cache, "trainer.distributed=deepspeed")
     proc = subprocess.run(args, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "trainer.distributed='deepspeed' is not one of none, ddp, fsdp" in proc.stderr
+
+
+def test_torchrun_with_several_processes_but_no_distributed_kind_says_to_add_it(tmp_path, data_cache):
+    proc = subprocess.run(command(TORCHRUN, tmp_path, data_cache), cwd=REPO, env=run_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "error: started by torchrun with several processes but trainer.distributed=none; add " \
+           "trainer.distributed=ddp" in proc.stderr
+
+
+def test_more_ranks_than_gpus_says_to_lower_nproc_per_node(monkeypatch):
+    from training import distributed
+    from training.errors import UserError
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(distributed.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match=r"local rank 1 has no GPU \(1 visible\); use --nproc_per_node at most"):
+        distributed.setup("ddp", distributed.torch.device("cuda", 0))
