@@ -137,6 +137,7 @@ VALIDATION_CASES = [  # values the schema accepts but validate() must reject
     pytest.param("trainer", "keep_checkpoints", 0, "trainer.keep_checkpoints=0 must be a positive number", id="keep-zero"),
     pytest.param("trainer", "max_bad_steps", 0, "trainer.max_bad_steps=0 must be a positive number", id="bad-steps-zero"),
     pytest.param("trainer", "grad_accum", -2, "trainer.grad_accum=-2 must be a positive number", id="negative-accum"),
+    pytest.param("trainer", "profile_steps", -1, "trainer.profile_steps=-1 must be >= 0", id="negative-profile"),
     pytest.param("trainer", "device", "tpu", "trainer.device='tpu' is not one of auto, cpu, cuda", id="unknown-device"),
     pytest.param("optim", "lr", -1.0, "optim.lr=-1.0 must be a positive number", id="negative-lr"),
     pytest.param("optim", "decay_fraction", 0.0, "optim.decay_fraction=0.0 must be in (0, 1]", id="decay-fraction"),

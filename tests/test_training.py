@@ -106,3 +106,35 @@ def test_train_py_runs_end_to_end_and_writes_the_run_folder(tmp_path, data_cache
     assert (run_dir / "config.yaml").is_file() and (run_dir / "sample.txt").is_file()
     assert "sample after 10 steps" in proc.stdout
     assert len(read_metrics(run_dir)) == 4
+
+
+def test_profile_steps_writes_where_the_step_time_goes(tmp_path, data_cache):
+    cfg = tiny_config(data_cache, max_steps=14, profile_steps=3, log_interval=7, eval_interval=14)
+    train(cfg, tmp_path)
+    text = (tmp_path / "profile.md").read_text()
+    assert text.startswith("# Profile of steps 11-13 (3 steps, cpu,")
+    assert "- wall time per step:" in text and "| matmul |" in text and "| attention |" in text
+    shares = [float(line.split("|")[3].strip().rstrip("%")) for line in text.splitlines()
+              if line.startswith("| ") and line.rstrip().endswith("% |")]
+    assert sum(shares) == pytest.approx(100.0, abs=0.5)
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [7, 14]  # the run itself goes on
+
+
+def test_profiling_is_skipped_when_the_run_ends_before_the_warm_up(tmp_path, data_cache):
+    train(tiny_config(data_cache, max_steps=8, profile_steps=3), tmp_path)
+    assert not (tmp_path / "profile.md").exists()
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("_attn_bwd_dkdv_kernel", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+    ("Memcpy DtoD (Device -> Device)", "memory copies"),
+    ("triton_red_fused__to_copy_native_layer_norm_0", "other (norms, activations, loss, elementwise)"),
+])
+def test_profile_categories_name_the_kind_of_work(name, kind):
+    from training.profiling import category
+    assert category(name) == kind

@@ -54,6 +54,7 @@ class TrainerConfig:
     distributed: str = "none"  # none | ddp | fsdp (start with torchrun --nproc_per_node=N)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
+    profile_steps: int = 0  # > 0: profile this many steps (after 10 of warm-up) into <run dir>/profile.md
     run_name: str = "${model.name}-${attention.name}-${data.name}"
 
 
@@ -120,6 +121,7 @@ def validate(cfg: TrainConfig) -> None:
         _positive(f"trainer.{key}", getattr(t, key))
     _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
     _positive("trainer.sample_tokens", t.sample_tokens, allow_zero=True)
+    _positive("trainer.profile_steps", t.profile_steps, allow_zero=True)
     if t.peak_tflops is not None:
         _positive("trainer.peak_tflops", t.peak_tflops)
     _choice("logger", cfg.logger.name, LOGGERS)

@@ -38,6 +38,7 @@ from training import distributed
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at, set_lr
+from training.profiling import StepProfiler
 from training.precision import apply_vram_budget, autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
 from training.signals import StopRequest
 
@@ -137,6 +138,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     if ranks.is_main:
         write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
     step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
+    profiler = StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps)
 
     started = time.perf_counter()
     loss, val_loss = float("nan"), None
@@ -155,6 +157,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
         for step in range(start_step + 1, t.max_steps + 1):
             loader_before, rng_before = train_loader.state_dict(), rng_state(device)  # an OOM saves the step before
             set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
+            profiler.before_step(step)
             try:
                 loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
             except torch.OutOfMemoryError as err:
@@ -168,6 +171,9 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
             worst_streak = torch.maximum(worst_streak, bad_streak)
             meter.tick(tokens_per_step)
             logger.advance()
+            profiled = profiler.after_step(step)
+            if profiled:
+                logger.message(profiled)
 
             stopping = distributed.any_rank(bool(stop.signum), ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps

@@ -1,0 +1,132 @@
+"""Profile a few training steps: where each step's time goes, by kind of work (``trainer.profile_steps=N``).
+
+The loop calls ``StepProfiler.after_step(step)`` after every optimizer step. Ten steps after the
+run (re)starts, so compilation and warm-up stay out, it records the next N steps with
+``torch.profiler`` and writes ``profile.md`` in the run folder: wall time per step, GPU kernel time
+per step, and that kernel time split into attention, matmul, optimizer, communication, memory
+copies and everything else (norms, activations, the loss's softmax), then the kernels that took
+longest. Kernel time well below wall time means the GPU waited for the host.
+
+On CPU the same table is made from the CPU time of each operator.
+"""
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+WARMUP_STEPS = 10  # steps after the (re)start before recording: compilation, autotuning, allocator warm-up
+
+# Kind of work -> substrings of kernel (GPU) or operator (CPU) names, matched lowercase, first match wins.
+CATEGORIES = (
+    ("attention", ("attn", "flash", "fmha", "sdpa", "softmax_backward_data", "_efficient_attention")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::matmul", "aten::linear")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    ("communication", ("nccl", "c10d", "allreduce", "all_reduce", "reduce_scatter", "allgather", "all_gather")),
+    ("memory copies", ("memcpy", "memset", "aten::copy_", "aten::fill_", "aten::zero_")),
+)
+OTHER = "other (norms, activations, loss, elementwise)"
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in CATEGORIES:
+        if any(n in lowered for n in needles):
+            return label
+    return OTHER
+
+
+class StepProfiler:
+    """Records steps ``start + WARMUP_STEPS + 1 .. start + WARMUP_STEPS + n_steps`` and writes profile.md."""
+
+    def __init__(self, run_dir: Path, n_steps: int, start_step: int, device: torch.device, max_steps: int):
+        self.path = Path(run_dir) / "profile.md"
+        self.device = device
+        self.first = start_step + WARMUP_STEPS + 1
+        self.last = min(self.first + n_steps - 1, max_steps)
+        self.enabled = n_steps > 0 and self.first <= max_steps
+        self.prof = None
+        self.started = 0.0
+
+    def before_step(self, step: int) -> None:
+        if not self.enabled or step != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._sync()
+        self.prof = profile(activities=activities)
+        self.prof.start()
+        self.started = time.perf_counter()
+
+    def after_step(self, step: int) -> Optional[str]:
+        """At the last recorded step: stop, write profile.md and return a one-line summary."""
+        if self.prof is None or step != self.last:
+            return None
+        self._sync()
+        wall_s = time.perf_counter() - self.started
+        self.prof.stop()
+        steps = self.last - self.first + 1
+        times = self._times_us()
+        self.prof, self.enabled = None, False
+        self.path.write_text(report(times, wall_s, steps, self.device, (self.first, self.last)))
+        busy_ms = sum(times.values()) / steps / 1e3
+        return f"profile of steps {self.first}-{self.last}: {wall_s / steps * 1e3:.1f} ms per step, " \
+               f"{busy_ms:.1f} ms of {'GPU kernels' if self.device.type == 'cuda' else 'CPU operators'} -> {self.path}"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _times_us(self) -> dict:
+        """Total microseconds per kernel (CUDA) or per operator's own CPU time (CPU) over the recorded steps."""
+        times = defaultdict(float)
+        for event in self.prof.key_averages():
+            if self.device.type == "cuda":
+                us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+                if event.device_type.name != "CUDA":
+                    continue
+            else:
+                us = event.self_cpu_time_total
+                if event.key.startswith("ProfilerStep") or event.key.startswith("enumerate("):
+                    continue
+            if us > 0:
+                times[event.key] += us
+        return dict(times)
+
+
+def report(times_us: dict, wall_s: float, steps: int, device: torch.device, window: tuple) -> str:
+    """profile.md: per-step wall and busy time, the split by category, the longest kernels/operators."""
+    unit = "GPU kernel" if device.type == "cuda" else "CPU operator"
+    busy_us = sum(times_us.values())
+    by_category = defaultdict(float)
+    for name, us in times_us.items():
+        by_category[category(name)] += us
+
+    def per_step(us: float) -> float:
+        return us / steps / 1e3  # milliseconds per step
+
+    lines = [
+        f"# Profile of steps {window[0]}-{window[1]} ({steps} steps, {device_name(device)}, torch {torch.__version__})",
+        "",
+        f"- wall time per step: {wall_s / steps * 1e3:.2f} ms",
+        f"- {unit} time per step: {per_step(busy_us):.2f} ms"
+        + (f" ({busy_us / 1e6 / wall_s:.0%} of the wall time; the rest the GPU waited or kernels overlapped)"
+           if device.type == "cuda" else ""),
+        "",
+        f"| kind of work | ms per step | share of {unit} time |",
+        "|---|---|---|",
+    ]
+    for label, us in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {label} | {per_step(us):.2f} | {us / busy_us:.1%} |")
+    lines += ["", f"Longest {unit}s:", "", f"| {unit} | kind | ms per step |", "|---|---|---|"]
+    for name, us in sorted(times_us.items(), key=lambda kv: -kv[1])[:20]:
+        short = name.replace("|", "/")[:100]
+        lines.append(f"| `{short}` | {category(name)} | {per_step(us):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
