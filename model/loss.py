@@ -28,10 +28,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_c = h[start:start + chunk].to(compute_dtype)
             y_c = targets[start:start + chunk]
-            logits = (h_c @ w.t()).to(acc_dtype)  # (n, V)
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1)).sum()
-            grad = torch.exp(logits - lse[:, None])  # softmax from the lse: d(sum CE)/d logits = softmax - onehot
+            # (n, V) in the compute dtype, upcast by each use: under torch.compile the upcast fuses into
+            # the reductions instead of writing an fp32 copy of the logits.
+            logits = h_c @ w.t()
+            lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
+            loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1).to(acc_dtype)).sum()
+            grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
             grad.scatter_add_(1, y_c[:, None], torch.full_like(y_c[:, None], -1, dtype=grad.dtype))
             grad = grad.to(compute_dtype)
             dh[start:start + chunk] = (grad @ w).to(h.dtype)

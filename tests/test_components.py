@@ -137,3 +137,25 @@ def test_model_compiles_with_no_graph_break():
     x = torch.randint(0, 64, (2, 16))
     explained = torch._dynamo.explain(model)(x, x)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_chunked_loss_under_bf16_autocast_matches_cross_entropy_of_bf16_logits():
+    import torch.nn.functional as F
+
+    from model.loss import lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 40, 16, generator=gen, requires_grad=True)
+    w = (0.5 * torch.randn(300, 16, generator=gen)).requires_grad_()
+    y = torch.randint(0, 300, (3, 40), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lm_loss(h, w, y, chunk=50)
+    got.backward()
+    got_dh, got_dw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    logits = (h.bfloat16() @ w.bfloat16().T).float()  # what the bf16 matmul gives, then fp32 softmax
+    want = F.cross_entropy(logits.view(-1, 300), y.view(-1))
+    want.backward()
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-5)
+    for mine, ref in ((got_dh, h.grad), (got_dw, w.grad)):
+        assert ((mine - ref).norm() / ref.norm()).item() < 1e-2

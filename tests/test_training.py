@@ -138,3 +138,22 @@ def test_profiling_is_skipped_when_the_run_ends_before_the_warm_up(tmp_path, dat
 def test_profile_categories_name_the_kind_of_work(name, kind):
     from training.profiling import category
     assert category(name) == kind
+
+
+def test_gpu_profile_counts_kernels_once_and_skips_named_regions(tmp_path):
+    from types import SimpleNamespace
+
+    from training.profiling import StepProfiler
+
+    def event(key, device, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=SimpleNamespace(name=device), device_time_total=us,
+                               self_cpu_time_total=0, is_user_annotation=annotation)
+
+    profiler = StepProfiler(tmp_path, 2, 0, torch.device("cuda", 0), 100)
+    profiler.prof = SimpleNamespace(key_averages=lambda: [
+        event("_attn_fwd_kernel", "CUDA", 30.0),
+        event("Optimizer.step#AdamW.step", "CUDA", 50.0, annotation=True),  # spans the kernel below
+        event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", "CUDA", 45.0),
+        event("aten::mm", "CPU", 80.0),
+    ])
+    assert profiler._times_us() == {"_attn_fwd_kernel": 30.0, "multi_tensor_apply_kernel<FusedAdamMathFunctor>": 45.0}

@@ -86,8 +86,8 @@ class StepProfiler:
         for event in self.prof.key_averages():
             if self.device.type == "cuda":
                 us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-                if event.device_type.name != "CUDA":
-                    continue
+                if event.device_type.name != "CUDA" or getattr(event, "is_user_annotation", False):
+                    continue  # CPU work, or a named region (Optimizer.step#...) spanning kernels counted already
             else:
                 us = event.self_cpu_time_total
                 if event.key.startswith("ProfilerStep") or event.key.startswith("enumerate("):
