@@ -28,14 +28,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_c = h[start:start + chunk].to(compute_dtype)
             y_c = targets[start:start + chunk]
-            # (n, V) in the compute dtype, upcast by each use: under torch.compile the upcast fuses into
-            # the reductions instead of writing an fp32 copy of the logits.
-            logits = h_c @ w.t()
+            logits = h_c @ w.t()  # (n, V) in the compute dtype; each use below upcasts
             lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
             loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1).to(acc_dtype)).sum()
             grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
-            grad.scatter_add_(1, y_c[:, None], torch.full_like(y_c[:, None], -1, dtype=grad.dtype))
-            grad = grad.to(compute_dtype)
+            if torch.compiler.is_compiling():
+                # A pointwise one-hot fuses with the exp and the cast into one kernel: no (n, V) fp32 buffer is
+                # written (an in-place scatter would make the compiler materialise grad in fp32 first).
+                one_hot = torch.arange(weight.shape[0], device=h.device) == y_c[:, None]
+                grad = (grad - one_hot.to(acc_dtype)).to(compute_dtype)
+            else:
+                # Eager: in place, so no second (n, V) temporary.
+                grad = grad.scatter_add_(1, y_c[:, None], torch.full_like(y_c[:, None], -1, dtype=grad.dtype)).to(compute_dtype)
             dh[start:start + chunk] = (grad @ w).to(h.dtype)
             dw += (grad.t() @ h_c).to(acc_dtype)
         ctx.save_for_backward(dh, dw)

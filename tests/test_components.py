@@ -159,3 +159,25 @@ def test_chunked_loss_under_bf16_autocast_matches_cross_entropy_of_bf16_logits()
     assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-5)
     for mine, ref in ((got_dh, h.grad), (got_dw, w.grad)):
         assert ((mine - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_chunked_loss_compiled_equals_eager(autocast):
+    from model.loss import lm_loss
+
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 24, 16, generator=gen)
+    w = torch.randn(100, 16, generator=gen)
+    y = torch.randint(0, 100, (2, 24), generator=gen)
+
+    def loss_and_grads(fn):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(hh, ww, y, 20)
+        loss.backward()
+        return loss.detach(), hh.grad, ww.grad
+
+    eager = loss_and_grads(lm_loss)
+    compiled = loss_and_grads(torch.compile(lm_loss, fullgraph=True))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
