@@ -1,11 +1,13 @@
 """Profile a few training steps: where each step's time goes, by kind of work (``trainer.profile_steps=N``).
 
-The loop calls ``StepProfiler.after_step(step)`` after every optimizer step. Ten steps after the
-run (re)starts, so compilation and warm-up stay out, it records the next N steps with
-``torch.profiler`` and writes ``profile.md`` in the run folder: wall time per step, GPU kernel time
-per step, and that kernel time split into attention, matmul, optimizer, communication, memory
-copies and everything else (norms, activations, the loss's softmax), then the kernels that took
-longest. Kernel time well below wall time means the GPU waited for the host.
+The loop calls ``before_step(step)`` and ``after_step(step)`` around every optimizer step (rank 0
+only under torchrun). Ten steps after the run (re)starts, so compilation and warm-up stay out, it
+records the next N steps with ``torch.profiler`` and writes ``profile.md`` in the run folder: wall
+time per step, GPU kernel time per step, and that kernel time split into attention, matmul,
+optimizer, communication, memory copies and everything else (norms, activations, the loss's
+softmax), then the kernels that took longest. Kernel time well below wall time means the GPU
+waited for the host. The recorded steps run slower than the others (the profiler's own cost), and
+so does that window's tokens/s record.
 
 On CPU the same table is made from the CPU time of each operator.
 """
