@@ -29,6 +29,7 @@ from bench_flash import sdpa_fn  # noqa: E402  (scripts/ is on sys.path when thi
 from kernels.flash_attention import flash_attn, launch  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
+from training import profiling as training_profiling  # noqa: E402
 
 SHAPES = [(16, 12, 1024, 64), (4, 12, 2048, 64), (64, 12, 512, 64)]  # (B, H, T, D)
 
@@ -110,12 +111,7 @@ def kernel_times_us(step, iters: int = 20) -> dict:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    found = {}
-    for event in prof.key_averages():
-        gpu_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if event.device_type.name == "CUDA" and gpu_us > 0:
-            found[event.key[:80]] = gpu_us / iters
-    return found
+    return {name[:80]: us / iters for name, us in training_profiling.kernel_times_us(prof).items()}
 
 
 def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:

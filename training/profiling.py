@@ -72,7 +72,7 @@ class StepProfiler:
         self.prof.stop()
         steps = self.last - self.first + 1
         times = self._times_us()
-        self.prof, self.enabled = None, False
+        self.prof = None
         self.path.write_text(report(times, wall_s, steps, self.device, (self.first, self.last)))
         busy_ms = sum(times.values()) / steps / 1e3
         return f"profile of steps {self.first}-{self.last}: {wall_s / steps * 1e3:.1f} ms per step, " \
@@ -84,19 +84,27 @@ class StepProfiler:
 
     def _times_us(self) -> dict:
         """Total microseconds per kernel (CUDA) or per operator's own CPU time (CPU) over the recorded steps."""
-        times = defaultdict(float)
-        for event in self.prof.key_averages():
-            if self.device.type == "cuda":
-                us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-                if event.device_type.name != "CUDA" or getattr(event, "is_user_annotation", False):
-                    continue  # CPU work, or a named region (Optimizer.step#...) spanning kernels counted already
-            else:
-                us = event.self_cpu_time_total
-                if event.key.startswith("ProfilerStep") or event.key.startswith("enumerate("):
-                    continue
-            if us > 0:
-                times[event.key] += us
-        return dict(times)
+        if self.device.type == "cuda":
+            return kernel_times_us(self.prof)
+        return {event.key: event.self_cpu_time_total for event in self.prof.key_averages()
+                if event.self_cpu_time_total > 0
+                and not event.key.startswith(("ProfilerStep", "enumerate("))}
+
+
+def kernel_times_us(prof) -> dict:
+    """GPU microseconds per kernel name over everything ``prof`` (a finished torch.profiler) recorded.
+
+    Named regions (``Optimizer.step#...``, ``record_function``) are left out: their time spans kernels
+    that are counted already.
+    """
+    times = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type.name != "CUDA" or getattr(event, "is_user_annotation", False):
+            continue
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            times[event.key] += us
+    return dict(times)
 
 
 def report(times_us: dict, wall_s: float, steps: int, device: torch.device, window: tuple) -> str:
