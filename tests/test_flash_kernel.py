@@ -256,6 +256,102 @@ def test_launch_key_separates_what_triton_specialises_on():
     assert all(launch.launch_key(*other) != key for other in others)
 
 
+class _RecordingBinary:
+    """Stands in for a compiled kernel: ``binary[grid](*args)`` records (grid, args)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append((grid, args))
+
+
+class _EveryKeyCompiled(dict):
+    """A launch cache that already holds ``binary`` (with a fixed config) for every launch key."""
+
+    def __init__(self, binary):
+        super().__init__()
+        self.binary = binary
+
+    def get(self, key, default=None):
+        return self.binary, configs.TileConfig(32, 16, 4, 1)
+
+
+def _planned_and_built_launches(monkeypatch, run):
+    """What the kernels receive for ``run(tensors)`` on a second set of tensors: (launches replayed
+    from the plans recorded by a first call, launches built from scratch for the same call)."""
+    binary = _RecordingBinary()
+    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
+    monkeypatch.setattr(launch, "_COMPILED", _EveryKeyCompiled(binary))
+    monkeypatch.setattr(launch, "_PLANS", {})
+    run(0)
+    n_plans = len(launch._PLANS)
+    binary.calls.clear()
+    run(1)
+    planned = list(binary.calls)
+    launch._PLANS.clear()
+    binary.calls.clear()
+    run(1)
+    assert n_plans == len(planned) == len(binary.calls) > 0
+    return planned, list(binary.calls)
+
+
+def _same_argument(x, y) -> bool:
+    """Inputs must be the very same tensors; outputs allocated per call alike in layout."""
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x is y or (x.shape, x.stride(), x.dtype) == (y.shape, y.stride(), y.dtype)
+    return type(x) is type(y) and x == y
+
+
+def _same_launches(a, b) -> bool:
+    return len(a) == len(b) and all(
+        ga == gb and len(xa) == len(xb) and all(_same_argument(x, y) for x, y in zip(xa, xb))
+        for (ga, xa), (gb, xb) in zip(a, b))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse):
+    """A plan relaunches with the arguments the full launch path builds: same grid, same values,
+    the new call's own tensors (checked with a recording stand-in for the compiled kernels)."""
+    from kernels.flash_attention.backward import attn_bwd
+
+    B, T, H, HKV, D = 2, 40, 4, 2, 32
+    sets = [[torch.randn(B, T, h, D) for h in (H, HKV, HKV, H, H)] for _ in range(2)]
+    lse = [torch.randn(B, H, T) for _ in range(2)]
+    dlse = [torch.randn(B, H, T) if with_dlse else None for _ in range(2)]
+
+    fwd = _planned_and_built_launches(
+        monkeypatch, lambda i: forward.attn_fwd(*sets[i][:3], 0.125, True, 0, None))
+    bwd = _planned_and_built_launches(
+        monkeypatch, lambda i: attn_bwd(sets[i][4], *sets[i][:4], lse[i], 0.125, True, 0, None, dlse[i]))
+    for planned, built in (fwd, bwd):
+        assert _same_launches(planned, built)
+        for (_, planned_args), (_, built_args) in zip(planned, built):
+            inputs = [i for i, x in enumerate(built_args) if any(x is t for t in sets[1] + lse + dlse)]
+            assert inputs and all(planned_args[i] is built_args[i] for i in inputs)
+
+
+def test_launch_plan_key_separates_what_the_arguments_are_computed_from(monkeypatch):
+    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
+    buf = torch.zeros(64)
+    pointers = (buf[:16], None)
+    key = launch.plan_key("fwd", pointers, (2, 8), 0.125, True)
+    assert key == launch.plan_key("fwd", (buf[16:32], None), (2, 8), 0.125, True)
+    assert launch.plan_key("fwd", (buf[1:17], None), (2, 8), 0.125, True) is None  # misaligned
+    others = [
+        launch.plan_key("dq", pointers, (2, 8), 0.125, True),
+        launch.plan_key("fwd", (buf[:16].half(), None), (2, 8), 0.125, True),
+        launch.plan_key("fwd", (buf[:16], buf.int()), (2, 8), 0.125, True),
+        launch.plan_key("fwd", pointers, (2, 9), 0.125, True),
+        launch.plan_key("fwd", pointers, (2, 8), 0.1, True),
+    ]
+    assert key not in others
+    monkeypatch.setattr(launch, "AUTOTUNE", not launch.AUTOTUNE)
+    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) != key
+    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
+    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) is None
+
+
 @gpu
 @pytest.mark.gpu
 def test_launch_cache_gives_misaligned_inputs_their_own_binary_cuda():
@@ -280,8 +376,12 @@ def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned
         o = flash_attn(qg, kg, vg)
         return (o, *torch.autograd.grad(o, (qg, kg, vg), do))
 
-    run()  # the first call per key goes through Triton's launch and fills the cache
-    cached = run()
+    monkeypatch.setattr(launch, "_PLANS", {})
+    run()  # tunes (or compiles) and launches through Triton
+    run()  # fills the launch cache and records the plans
+    n_plans = len(launch._PLANS)
+    cached = run()  # replays the plans
+    assert n_plans == 3
     monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
     for a, b in zip(cached, run()):
         assert torch.equal(a, b)
@@ -444,4 +544,5 @@ def test_consumer_default_config_runs(monkeypatch):
     monkeypatch.setattr(launch, "AUTOTUNE", False)
     monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
     monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
+    monkeypatch.setattr(launch, "_PLANS", {})
     check_case(Case(1, 70, 2, 1, D, F16))

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .configs import make_pruner, triton_configs
 from .forward import LOG2E, _dot, _load_rows, seq_layout
-from .launch import Kernel, launch, next_power_of_2
+from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
 
 
 @triton.jit
@@ -331,38 +331,62 @@ def attn_bwd(
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, next_power_of_2(D))
-    sq, sk, sv, so, sdo = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
-    sdq, sdk, sdv = dq.stride(), dk.stride(), dv.stride()
-
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
-
-    scales = dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale)
-    t_bucket, even_d, varlen, ieee = next_power_of_2(max_len), D == block_d, cu_seqlens is not None, q.dtype == torch.float32
-    launch(DQ, max_len, (n_seq, H),
-           dict(Q=q, K=k, V=v, O=o, DO=do, LSE=lse, DLSE=dlse, DELTA=delta, DQ=dq, CU_SEQLENS=cu_seqlens), scales,
-           dict(T=T, H=H, G=H // H_kv, WINDOW=window,
-                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
-                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
-                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
-                stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
-                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
-                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2],
-                T_BUCKET=t_bucket, HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=even_d, IS_CAUSAL=causal,
-                HAS_WINDOW=window > 0, IS_VARLEN=varlen, HAS_DLSE=dlse is not None, IEEE=ieee),
-           q.device)
-    launch(DKDV, max_len, (n_seq, H_kv),
-           dict(Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK=dk, DV=dv, CU_SEQLENS=cu_seqlens), scales,
-           dict(T=T, H=H, G=H // H_kv, WINDOW=window,
-                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
-                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
-                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
-                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
-                stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
-                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2],
-                T_BUCKET=t_bucket, HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=even_d, IS_CAUSAL=causal,
-                HAS_WINDOW=window > 0, IS_VARLEN=varlen, IEEE=ieee),
-           q.device)
+    layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
+              softmax_scale, causal, window, n_seq, max_len)
+    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens)
+    dq_plan = plan_key("dq", dq_pointers, *layout)
+    if not relaunch(dq_plan, dq_pointers):
+        _launch_dq(dq_pointers, softmax_scale, causal, window, n_seq, max_len, dq_plan)
+    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens)
+    dkdv_plan = plan_key("dkdv", dkdv_pointers, *layout)
+    if not relaunch(dkdv_plan, dkdv_pointers):
+        _launch_dkdv(dkdv_pointers, softmax_scale, causal, window, n_seq, max_len, dkdv_plan)
     return dq, dk, dv
+
+
+def _common_ints(q, k, v, do, causal: bool, window: int, max_len: int, cu_seqlens) -> dict:
+    """Launch integers both backward kernels take (sizes, shared strides, flags)."""
+    B, T, H, D = q.shape
+    block_d = max(16, next_power_of_2(D))
+    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
+    return dict(T=T, H=H, G=H // k.shape[2], WINDOW=window,
+                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
+                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
+                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
+                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
+                T_BUCKET=next_power_of_2(max_len), HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
+                IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
+                IEEE=q.dtype == torch.float32)
+
+
+def _scales(softmax_scale: float) -> dict:
+    return dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale)
+
+
+def _launch_dq(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
+               max_len: int, plan: tuple | None) -> None:
+    """Build the dQ kernel's arguments from its tensors and launch it (and record ``plan``)."""
+    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens = pointers
+    ints = _common_ints(q, k, v, do, causal, window, max_len, cu_seqlens)
+    so, sdq = o.stride(), dq.stride()
+    ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
+                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None)
+    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS")
+    launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
+           ints, q.device, plan)
+
+
+def _launch_dkdv(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
+                 max_len: int, plan: tuple | None) -> None:
+    """Build the dK/dV kernel's arguments from its tensors and launch it (and record ``plan``)."""
+    q, k, v, do, lse, delta, dk, dv, cu_seqlens = pointers
+    ints = _common_ints(q, k, v, do, causal, window, max_len, cu_seqlens)
+    sdk, sdv = dk.stride(), dv.stride()
+    ints.update(stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
+                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2])
+    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS")
+    launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
+           ints, q.device, plan)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import make_pruner, triton_configs
-from .launch import Kernel, launch, next_power_of_2
+from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -211,17 +211,28 @@ def attn_fwd(
     Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log.
     """
     B, T, H, D = q.shape
-    H_kv = k.shape[2]
     o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return o, lse
+    pointers = (q, k, v, o, lse, cu_seqlens)
+    plan = plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+                    softmax_scale, causal, window, n_seq, max_len)
+    if not relaunch(plan, pointers):
+        _launch_fwd(pointers, softmax_scale, causal, window, n_seq, max_len, plan)
+    return o, lse
+
+
+def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
+                max_len: int, plan: tuple | None) -> None:
+    """Build the forward kernel's arguments from its tensors and launch it (and record ``plan``)."""
+    q, k, v, o, lse, cu_seqlens = pointers
+    B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
-    pointers = dict(Q=q, K=k, V=v, O=o, LSE=lse, CU_SEQLENS=cu_seqlens)
     ints = dict(
-        T=T, H=H, G=H // H_kv, WINDOW=window,
+        T=T, H=H, G=H // k.shape[2], WINDOW=window,
         stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
         stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
         stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
@@ -231,8 +242,8 @@ def attn_fwd(
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )
-    launch(FWD, max_len, (n_seq, H), pointers, dict(qk_scale=softmax_scale * LOG2E), ints, q.device)
-    return o, lse
+    launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS"), pointers)),
+           dict(qk_scale=softmax_scale * LOG2E), ints, q.device, plan)
 
 
 def default_scale(head_dim: int) -> float:
