@@ -546,3 +546,43 @@ def test_consumer_default_config_runs(monkeypatch):
     monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
     monkeypatch.setattr(launch, "_PLANS", {})
     check_case(Case(1, 70, 2, 1, D, F16))
+
+
+def _force_configs(monkeypatch, chosen: dict) -> None:
+    """Launch ``chosen[kind]`` for each kernel kind, bypassing tuning and every cache."""
+    monkeypatch.setattr(launch, "AUTOTUNE", False)
+    monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
+    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+
+
+def test_query_tiles_taller_than_key_tiles_in_the_backward(monkeypatch):
+    """dK/dV and dQ with BLOCK_M > BLOCK_N and the reverse (the diagonal ranges differ)."""
+    tiles = {"fwd": configs.TileConfig(16, 32, 4, 1), "dkdv": configs.TileConfig(32, 16, 4, 1),
+             "dq": configs.TileConfig(16, 32, 4, 1)}
+    _force_configs(monkeypatch, tiles)
+    check_case(Case(2, 77, 2, 1, 32, torch.float32))
+    check_case(Case(1, 70, 2, 2, 16, torch.float32, window=9))
+
+
+HOPPER_CANDIDATES = sorted({(kind, cfg) for kind in ("fwd", "dkdv", "dq")
+                            for cfg in configs.candidate_configs(kind, "hopper")},
+                           key=lambda kc: (kc[0], tuple(vars(kc[1]).values())))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,cfg", HOPPER_CANDIDATES,
+                         ids=[f"{k}-{c.BLOCK_M}x{c.BLOCK_N}-w{c.num_warps}-s{c.num_stages}"
+                              for k, c in HOPPER_CANDIDATES])
+def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg):
+    """Whatever the autotuner picks is right: each candidate, alone, at D=64 and D=128."""
+    for D in (64, 128):
+        kept = configs.filter_configs(kind, configs.candidate_configs(kind, "hopper"),
+                                      configs.SMEM_HOPPER, D, 2)
+        if cfg not in kept:
+            continue  # pruned at this head dim, never launched there
+        chosen = {k: configs.default_config(k, torch.device(DEVICE), D, 2) for k in ("fwd", "dkdv", "dq")}
+        chosen[kind] = cfg
+        _force_configs(monkeypatch, chosen)
+        check_case(Case(2, 300, 4, 2, D, BF16))

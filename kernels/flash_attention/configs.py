@@ -75,7 +75,7 @@ FWD_CONFIGS: dict[str, list[TileConfig]] = {
 DKDV_CONFIGS: dict[str, list[TileConfig]] = {
     "hopper": [
         _t(32, 128, 4, 3), _t(64, 128, 8, 2), _t(32, 128, 8, 3), _t(64, 64, 4, 3),
-        _t(32, 64, 4, 3), _t(16, 64, 4, 2), _TINY,
+        _t(32, 64, 4, 3), _t(16, 64, 4, 2), _t(64, 128, 8, 3), _TINY,
     ],
     "ampere": [
         _t(32, 128, 8, 2), _t(64, 64, 4, 2), _t(32, 64, 4, 3), _t(16, 64, 4, 2), _TINY,
@@ -89,7 +89,7 @@ DKDV_CONFIGS: dict[str, list[TileConfig]] = {
 DQ_CONFIGS: dict[str, list[TileConfig]] = {
     "hopper": [
         _t(128, 32, 4, 3), _t(128, 64, 8, 2), _t(128, 64, 4, 3), _t(64, 64, 4, 3),
-        _t(64, 32, 4, 3), _t(64, 16, 4, 2), _TINY,
+        _t(64, 32, 4, 3), _t(64, 16, 4, 2), _t(128, 64, 8, 3), _TINY,
     ],
     "ampere": [
         _t(128, 32, 8, 2), _t(64, 64, 4, 2), _t(64, 32, 4, 3), _t(64, 16, 4, 2), _TINY,
