@@ -5,7 +5,8 @@
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
    allocations, the launch functions, the public function, the autograd round trip, with our
-   launch cache on and off (kernels/flash_attention/launch.py), next to SDPA's FlashAttention-2 and cuDNN.
+   launch cache (with its per-call-site plans) on and off (kernels/flash_attention/launch.py), next to
+   SDPA's FlashAttention-2 and cuDNN.
 2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
    ``triton.testing.do_bench`` (L2 flushed before each call, as the benchmarks do), and the GPU
    time of each kernel from ``torch.profiler``. Wall time far above the kernels' sum means the

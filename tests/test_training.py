@@ -128,6 +128,9 @@ def test_profiling_is_skipped_when_the_run_ends_before_the_warm_up(tmp_path, dat
 @pytest.mark.parametrize("name,kind", [
     ("_attn_bwd_dkdv_kernel", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void con", "attention"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int,", "attention"),
+    ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64,", "attention"),
     ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", "matmul"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),

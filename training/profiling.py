@@ -22,7 +22,8 @@ WARMUP_STEPS = 10  # steps after the (re)start before recording: compilation, au
 
 # Kind of work -> substrings of kernel (GPU) or operator (CPU) names, matched lowercase, first match wins.
 CATEGORIES = (
-    ("attention", ("attn", "flash", "fmha", "sdpa", "softmax_backward_data", "_efficient_attention")),
+    ("attention", ("attn", "flash", "fmha", "sdpa", "softmax_backward_data", "_efficient_attention",
+                   "dot_do_o", "convert_dq")),  # cuDNN's backward helpers: delta = rowsum(dO * O), dQ cast
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "wgmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
                 "aten::matmul", "aten::linear")),
     ("optimizer", ("adam", "multi_tensor_apply", "foreach")),

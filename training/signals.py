@@ -1,4 +1,5 @@
 """Pre-emption and Ctrl-C: finish the current step, save a checkpoint, exit; a second signal exits now."""
+import os
 import signal
 import sys
 from typing import Optional
@@ -8,7 +9,11 @@ class StopRequest:
     """Catches SIGINT and SIGTERM while the loop runs.
 
     The first signal only sets ``signum``; the loop checks it at each step boundary, saves a
-    checkpoint and leaves. A second signal exits at once with status 128 + signal number.
+    checkpoint and leaves. A second signal exits at once with status 128 + signal number, through
+    ``os._exit``: raising SystemExit instead can land inside ``torch.save`` of that checkpoint,
+    whose zip writer then fails while closing and replaces the exit with a RuntimeError. Whatever
+    was being written is abandoned; checkpoints are written to a temporary file and renamed, so
+    the last complete one stays.
     """
 
     def __init__(self):
@@ -31,7 +36,7 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             print(f"\n{signal.Signals(signum).name} again: exiting now without saving", file=sys.stderr, flush=True)
-            sys.exit(128 + signum)
+            os._exit(128 + signum)
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step, then exiting "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
