@@ -1,4 +1,4 @@
-"""nanoflash kernels. Public: ``flash_attn`` and ``flash_attn_available``.
+"""nanoflash kernels. Public: ``flash_attn``, ``flash_attn_qkvpacked`` and ``flash_attn_available``.
 
 ``flash_attn_available()`` never raises: the model layer calls it once, warns with the reason
 and falls back to SDPA when it says False.
@@ -29,12 +29,14 @@ def flash_attn_available() -> tuple[bool, str]:
 
 
 try:
-    from .flash_attention import flash_attn
+    from .flash_attention import flash_attn, flash_attn_qkvpacked
 except ImportError as _err:  # triton missing: keep the package importable
     _reason = f"{_err}"
 
     def flash_attn(*args, **kwargs):  # type: ignore[no-redef]
         raise RuntimeError(f"flash_attn unavailable: {_reason}; check flash_attn_available()")
 
+    flash_attn_qkvpacked = flash_attn  # type: ignore[assignment]
 
-__all__ = ["flash_attn", "flash_attn_available"]
+
+__all__ = ["flash_attn", "flash_attn_qkvpacked", "flash_attn_available"]

@@ -49,15 +49,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attend = attend
+        self.attend_packed = getattr(attend, "packed", None)  # see model/attention/__init__.py
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
-        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.attend(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
+        if rope is None and self.attend_packed is not None:
+            y = self.attend_packed(qkv, self.n_head, doc_ids=doc_ids)  # (B, T, H, D)
+        else:
+            q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            y = self.attend(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 

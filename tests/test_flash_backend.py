@@ -58,3 +58,24 @@ def test_flash_backend_matches_sdpa_in_the_model(model_kw, docs):
     assert losses["flash"] == pytest.approx(losses["sdpa"], rel=1e-4)
     torch.testing.assert_close(grads["flash"], grads["sdpa"], atol=1e-4, rtol=1e-3)
 
+
+
+def test_the_model_hands_flash_the_unsplit_projection_unless_rope_changes_q_and_k(monkeypatch):
+    """Without RoPE the layer calls the packed kernel (one gradient for qkv, no concatenation)."""
+    from model.attention import flash
+
+    calls = []
+    packed = flash.flash_attn_qkvpacked
+    monkeypatch.setattr(flash, "flash_attn_qkvpacked", lambda *a, **kw: calls.append(a[0].shape) or packed(*a, **kw))
+    x = torch.randint(0, 128, (2, 40)).to(DEVICE)
+    for pos, expected in (("learned", [(2, 40, 12, 16)] * 2), ("rope", [])):
+        calls.clear()
+        twin_models(pos=pos)["flash"](x, x)
+        assert calls == expected, pos  # per layer (2): 4 query + 4 key + 4 value heads of 16
+
+
+def test_flash_model_compiles_without_graph_break():
+    model = twin_models()["flash"]
+    x = torch.randint(0, 128, (2, 40)).to(DEVICE)
+    explained = torch._dynamo.explain(model)(x, x)
+    assert explained.graph_break_count == 0, explained.break_reasons

@@ -25,7 +25,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
-from kernels import flash_attn, flash_attn_available  # noqa: E402
+from kernels import flash_attn, flash_attn_available, flash_attn_qkvpacked  # noqa: E402
 from kernels.flash_attention import configs, forward, launch  # noqa: E402
 from kernels.flash_attention.reference import attention_ref  # noqa: E402
 
@@ -475,6 +475,58 @@ def test_torch_compile_fullgraph_no_graph_break():
     torch.testing.assert_close(out, out_e)
     for a, b in zip(g, g_e):
         torch.testing.assert_close(a, b)
+
+
+PACKED_CASES = [
+    pytest.param(dict(B=2, T=40, H=4, HKV=4, D=32), {}, id="mha"),
+    pytest.param(dict(B=1, T=70, H=4, HKV=2, D=16), dict(window_size=9), id="gqa-window"),
+    pytest.param(dict(B=1, T=77, H=2, HKV=1, D=32), dict(cu=[0, 30, 31, 77]), id="gqa-varlen"),
+    pytest.param(dict(B=1, T=33, H=2, HKV=2, D=32, dtype=torch.float16), dict(causal=False), id="fp16-full"),
+]
+
+
+@pytest.mark.parametrize("shape,kw", PACKED_CASES)
+def test_qkvpacked_equals_flash_attn_on_the_split_tensors(shape, kw):
+    """Same kernels on views: o, lse and the gradient (dq, dk, dv side by side) agree exactly."""
+    B, T, H, HKV, D = (shape[n] for n in ("B", "T", "H", "HKV", "D"))
+    dtype = shape.get("dtype", F32)
+    kw = dict(kw)
+    if "cu" in kw:
+        kw["cu_seqlens"] = torch.tensor(kw.pop("cu"), dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, T, H + 2 * HKV, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    do = torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype)
+    o, lse = flash_attn_qkvpacked(qkv, H, return_lse=True, **kw)
+    (dqkv,) = torch.autograd.grad((o * do).sum() + lse.sum(), qkv)
+    q, k, v = (t.detach().requires_grad_() for t in qkv.detach().split([H, HKV, HKV], dim=2))
+    o2, lse2 = flash_attn(q, k, v, return_lse=True, **kw)
+    grads = torch.autograd.grad((o2 * do).sum() + lse2.sum(), (q, k, v))
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert dqkv.shape == qkv.shape and torch.equal(dqkv, torch.cat(grads, dim=2))
+
+
+def test_qkvpacked_compiles_without_graph_break():
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(1, 40, 8, 32, generator=g).to(DEVICE).requires_grad_()
+
+    def f(qkv):
+        return flash_attn_qkvpacked(qkv * 2.0, 4).float().square().sum()
+
+    explain = torch._dynamo.explain(f)(qkv)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    backend = "inductor" if CUDA else "aot_eager"
+    out = torch.compile(f, fullgraph=True, backend=backend)(qkv)
+    (grad,) = torch.autograd.grad(out, qkv)
+    (grad_eager,) = torch.autograd.grad(f(qkv), qkv)
+    torch.testing.assert_close(grad, grad_eager)
+
+
+@pytest.mark.parametrize("heads,n_head", [(8, 5), (8, 8), (8, 0), (7, 4)])
+def test_qkvpacked_rejects_a_heads_axis_that_does_not_split(heads, n_head):
+    qkv = torch.randn(1, 8, heads, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="heads axis"):
+        flash_attn_qkvpacked(qkv, n_head)
 
 
 def _bad_inputs():

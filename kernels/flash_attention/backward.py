@@ -317,17 +317,22 @@ def attn_bwd(
     window: int,
     cu_seqlens: torch.Tensor | None,
     dlse: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the attention output (and optionally of its lse) wrt q, k, v.
 
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
-    last dims contiguous. Returns dq (like q), dk (like k), dv (like v), contiguous.
+    last dims contiguous. Returns dq (like q), dk (like k), dv (like v): new contiguous tensors,
+    or ``out`` = (dq, dk, dv) written in place (any T and H strides, last dim contiguous; the
+    packed-QKV op passes three views of one gradient buffer).
     """
     B, T, H, D = q.shape
     H_kv = k.shape[2]
-    dq = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, T, H_kv, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, T, H_kv, D), dtype=v.dtype, device=v.device)
+    if out is None:
+        out = (torch.empty((B, T, H, D), dtype=q.dtype, device=q.device),
+               torch.empty((B, T, H_kv, D), dtype=k.dtype, device=k.device),
+               torch.empty((B, T, H_kv, D), dtype=v.dtype, device=v.device))
+    dq, dk, dv = out
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -335,7 +340,7 @@ def attn_bwd(
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
     layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
-              softmax_scale, causal, window, n_seq, max_len)
+              dq.stride(), dk.stride(), dv.stride(), softmax_scale, causal, window, n_seq, max_len)
     dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens)
     dq_plan = plan_key("dq", dq_pointers, *layout)
     if not relaunch(dq_plan, dq_pointers):

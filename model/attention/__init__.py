@@ -4,6 +4,11 @@ Every backend is a function ``attend(q, k, v, doc_ids=None, window=None) -> o`` 
 q: (B, T, H, D), k and v: (B, T, H_kv, D) (grouped-query attention when H_kv < H), causal, scaled
 by 1/sqrt(D), and o: (B, T, H, D). ``build_attention`` turns an AttentionConfig into such a function
 and says which backend actually runs.
+
+A backend may also offer ``attend.packed(qkv, n_head, doc_ids=None) -> o`` taking q, k and v side by
+side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them; the model uses it when
+nothing (RoPE) changes q and k after the projection. flash does: its backward then returns qkv's
+gradient as one tensor instead of three that autograd concatenates.
 """
 import functools
 import warnings
@@ -55,7 +60,9 @@ def build_attention(cfg: AttentionConfig, device: torch.device) -> Tuple[Attend,
         if not reason:
             from model.attention import flash
 
-            return functools.partial(flash.attend, window=cfg.window), "flash"
+            attend = functools.partial(flash.attend, window=cfg.window)
+            attend.packed = functools.partial(flash.attend_packed, window=cfg.window)
+            return attend, "flash"
         if cfg.strict:
             raise UserError(f"attention=flash cannot run: {reason}; drop attention.strict=true to fall back to sdpa")
         warnings.warn(f"attention=flash cannot run ({reason}); using attention=sdpa instead", stacklevel=2)

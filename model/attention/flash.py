@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from data.loader import cu_seqlens_from_doc_ids
-from kernels import flash_attn
+from kernels import flash_attn, flash_attn_qkvpacked
 
 
 def attend(
@@ -27,3 +27,21 @@ def attend(
     o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens)
     return o.view(B, T, H, D)
 
+
+
+def attend_packed(
+    qkv: torch.Tensor,
+    n_head: int,
+    doc_ids: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """``attend`` of the q, k, v packed in qkv: (B, T, n_head + 2 * H_kv, D), the fused projection's
+    output. Returns o: (B, T, n_head, D); the backward writes qkv's gradient as one tensor, so
+    nothing concatenates dq, dk and dv (see kernels/flash_attention/packed.py)."""
+    if doc_ids is None:
+        return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window)
+    B, T, _, D = qkv.shape
+    cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
+    packed = qkv.reshape(1, B * T, qkv.shape[2], D)
+    o = flash_attn_qkvpacked(packed, n_head, causal=True, window_size=window, cu_seqlens=cu_seqlens)
+    return o.view(B, T, n_head, D)

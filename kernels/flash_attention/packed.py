@@ -1,0 +1,155 @@
+"""Flash attention on a fused QKV projection: one input tensor, one gradient tensor.
+
+A GPT projects x to q, k and v with one matmul and splits the result along the heads axis. With
+:func:`flash_attn` the backward returns dq, dk and dv as three tensors, and autograd (or Inductor,
+under ``torch.compile``) concatenates them into the projection's gradient: one more read and write
+of a (B, T, H + 2 * H_kv, D) tensor per layer. :func:`flash_attn_qkvpacked` takes the unsplit
+tensor and its backward writes dq, dk and dv straight into one gradient buffer of the same shape
+(the kernels take any T and H strides), so there is nothing to concatenate.
+
+Same kernels, same saved tensors, same numerics as :func:`flash_attn`; custom ops with fake
+implementations for ``torch.compile`` and an ``autograd.Function`` twin for eager calls, as there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backward import attn_bwd
+from .forward import attn_fwd, default_scale
+from .function import _check_cu_seqlens, _validate
+
+
+def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q (B, T, n_head, D), k and v (B, T, H_kv, D) of qkv (B, T, n_head + 2 * H_kv, D)."""
+    n_kv_head = (qkv.shape[2] - n_head) // 2
+    return qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
+
+
+@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_fwd", mutates_args=())
+def flash_attn_qkvpacked_fwd(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+    n_head: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o (B, T, n_head, D) in qkv.dtype, lse (B, n_head, T) float32 natural log; window 0 = none."""
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, qkv.shape[1])
+    return attn_fwd(*split_qkv(qkv, n_head), softmax_scale, causal, window, cu_seqlens)
+
+
+@flash_attn_qkvpacked_fwd.register_fake
+def _flash_attn_qkvpacked_fwd_fake(qkv, cu_seqlens, softmax_scale, causal, window, n_head):
+    B, T, _, D = qkv.shape
+    return qkv.new_empty((B, T, n_head, D)), qkv.new_empty((B, n_head, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_bwd", mutates_args=())
+def flash_attn_qkvpacked_bwd(
+    do: torch.Tensor,
+    qkv: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window: int,
+    n_head: int,
+) -> torch.Tensor:
+    """dqkv, contiguous, shaped like qkv: dq, dk and dv side by side along the heads axis."""
+    return _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head)
+
+
+@flash_attn_qkvpacked_bwd.register_fake
+def _flash_attn_qkvpacked_bwd_fake(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head):
+    return qkv.new_empty(qkv.shape)
+
+
+def _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head) -> torch.Tensor:
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    attn_bwd(do, *split_qkv(qkv, n_head), o, lse, softmax_scale, causal, window, cu_seqlens, dlse,
+             out=split_qkv(dqkv, n_head))
+    return dqkv
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, cu_seqlens, softmax_scale, causal, window, n_head = inputs
+    o, lse = output
+    ctx.save_for_backward(qkv, o, lse, cu_seqlens)
+    ctx.options = (softmax_scale, causal, window, n_head)
+    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+
+
+def _backward(ctx, do, dlse):
+    qkv, o, lse, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    return flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
+
+
+flash_attn_qkvpacked_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _FlashAttnQKVPackedFunction(torch.autograd.Function):
+    """Eager-mode twin of the custom op (same kernels, same saved tensors, less dispatch)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, softmax_scale, causal, window, n_head):
+        if cu_seqlens is not None:
+            _check_cu_seqlens(cu_seqlens, qkv.shape[1])
+        o, lse = attn_fwd(*split_qkv(qkv, n_head), softmax_scale, causal, window, cu_seqlens)
+        _setup_context(ctx, (qkv, cu_seqlens, softmax_scale, causal, window, n_head), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        qkv, o, lse, cu_seqlens = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        return _gradient(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
+
+
+def flash_attn_qkvpacked(
+    qkv: torch.Tensor,
+    n_head: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
+    """:func:`flash_attn` of the q, k and v packed side by side in ``qkv``, differentiable in qkv.
+
+    Args:
+        qkv: (B, T, n_head + 2 * H_kv, D): the query heads, then the key heads, then the value
+            heads (a fused projection's output viewed with a heads axis); n_head % H_kv == 0.
+        n_head: number of query heads.
+        causal, softmax_scale, window_size, cu_seqlens, return_lse: as in :func:`flash_attn`.
+
+    Returns:
+        o: (B, T, n_head, D), qkv's dtype; and, if return_lse, lse: (B, n_head, T) float32.
+        The gradient of qkv is one tensor shaped like qkv. Raises ValueError on invalid inputs.
+    """
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4:
+        raise ValueError("flash_attn_qkvpacked: qkv must be a 4-D tensor (B, T, n_head + 2 * H_kv, D)")
+    kv_heads = qkv.shape[2] - n_head if isinstance(n_head, int) and not isinstance(n_head, bool) else -1
+    if kv_heads < 2 or kv_heads % 2 or n_head < 1:
+        raise ValueError(
+            f"flash_attn_qkvpacked: qkv's heads axis ({qkv.shape[2]}) must hold n_head ({n_head!r}) query "
+            "heads followed by two equal groups of key and value heads")
+    _validate(*split_qkv(qkv, n_head), causal, softmax_scale, window_size, cu_seqlens)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    scale = default_scale(qkv.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    args = (qkv, cu_seqlens, scale, bool(causal), int(window_size or 0), n_head)
+    if torch.compiler.is_compiling():
+        o, lse = flash_attn_qkvpacked_fwd(*args)  # opaque custom op: no graph break
+    else:
+        o, lse = _FlashAttnQKVPackedFunction.apply(*args)
+    return (o, lse) if return_lse else o
