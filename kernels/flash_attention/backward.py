@@ -322,10 +322,12 @@ def attn_bwd(
     """Gradients of the attention output (and optionally of its lse) wrt q, k, v.
 
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
-    last dims contiguous. Returns dq (like q), dk (like k), dv (like v): new contiguous tensors,
+    last dims contiguous (a do whose last dim is not is copied: autograd may hand one over). Returns dq (like q), dk (like k), dv (like v): new contiguous tensors,
     or ``out`` = (dq, dk, dv) written in place (any T and H strides, last dim contiguous; the
     packed-QKV op passes three views of one gradient buffer).
     """
+    if do.stride(-1) != 1:
+        do = do.contiguous()
     B, T, H, D = q.shape
     H_kv = k.shape[2]
     if out is None:

@@ -38,6 +38,13 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_t: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
 
 
+def checked_forward(q, k, v, cu_seqlens, softmax_scale: float, causal: bool, window: int):
+    """``attn_fwd`` after the cu_seqlens value checks (shared by every op and eager path)."""
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q.shape[1])
+    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+
+
 @torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(
     q: torch.Tensor,
@@ -49,9 +56,7 @@ def flash_attn_fwd(
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o (B, T, H, D) in q.dtype, lse (B, H, T) float32 natural log; window 0 = none."""
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, q.shape[1])
-    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+    return checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
 
 
 @flash_attn_fwd.register_fake
@@ -75,8 +80,6 @@ def flash_attn_bwd(
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
-    if do.stride(-1) != 1:
-        do = do.contiguous()
     return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse)
 
 
@@ -112,9 +115,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, softmax_scale, causal, window):
-        if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens, q.shape[1])
-        o, lse = attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+        o, lse = checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
         _setup_context(ctx, (q, k, v, cu_seqlens, softmax_scale, causal, window), (o, lse))
         return o, lse
 
@@ -123,8 +124,6 @@ class _FlashAttnFunction(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        elif do.stride(-1) != 1:
-            do = do.contiguous()
         dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.window,
                               cu_seqlens, dlse)
         return dq, dk, dv, None, None, None, None

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from .backward import attn_bwd
-from .forward import attn_fwd, default_scale
-from .function import _check_cu_seqlens, _validate
+from .forward import default_scale
+from .function import _validate, checked_forward
 
 
 def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,9 +36,7 @@ def flash_attn_qkvpacked_fwd(
     n_head: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """o (B, T, n_head, D) in qkv.dtype, lse (B, n_head, T) float32 natural log; window 0 = none."""
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, qkv.shape[1])
-    return attn_fwd(*split_qkv(qkv, n_head), softmax_scale, causal, window, cu_seqlens)
+    return checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
 
 
 @flash_attn_qkvpacked_fwd.register_fake
@@ -70,8 +68,6 @@ def _flash_attn_qkvpacked_bwd_fake(do, qkv, o, lse, dlse, cu_seqlens, softmax_sc
 
 
 def _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head) -> torch.Tensor:
-    if do.stride(-1) != 1:
-        do = do.contiguous()
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     attn_bwd(do, *split_qkv(qkv, n_head), o, lse, softmax_scale, causal, window, cu_seqlens, dlse,
              out=split_qkv(dqkv, n_head))
@@ -101,9 +97,7 @@ class _FlashAttnQKVPackedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, softmax_scale, causal, window, n_head):
-        if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens, qkv.shape[1])
-        o, lse = attn_fwd(*split_qkv(qkv, n_head), softmax_scale, causal, window, cu_seqlens)
+        o, lse = checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
         _setup_context(ctx, (qkv, cu_seqlens, softmax_scale, causal, window, n_head), (o, lse))
         return o, lse
 

@@ -28,7 +28,6 @@ def attend(
     return o.view(B, T, H, D)
 
 
-
 def attend_packed(
     qkv: torch.Tensor,
     n_head: int,
