@@ -123,6 +123,11 @@ def local(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 has turned the model's parameters into DTensor shards."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def mean(x: torch.Tensor) -> torch.Tensor:
     """Average of a tensor over ranks (the tensor itself when not distributed)."""
     if not dist.is_initialized():

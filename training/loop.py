@@ -37,7 +37,8 @@ from training.fit import auto_batch_size
 from training import distributed
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
-from training.optim import build_optimizer, lr_at, set_lr
+from training.optim import build_optimizer, clip_in_step, lr_at, plain_state_dict, set_lr
+from training.cuda_graph import CapturedStep, check_supported as check_cuda_graph
 from training.profiling import StepProfiler
 from training.precision import apply_vram_budget, autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
 from training.signals import StopRequest
@@ -90,6 +91,8 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     t = cfg.trainer
     run_dir.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(t.dtype, device)
+    if t.cuda_graph:
+        check_cuda_graph(device, dtype, t.distributed, cfg.data.document_mask)
     apply_vram_budget(device, t.vram_budget_gb)
     torch.manual_seed(t.seed)
 
@@ -138,6 +141,11 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     if ranks.is_main:
         write_run_info(run_dir, backend, device, dtype, n_params, batch_size)
     step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
+
+    def one_step(loader):
+        return train_step(step_model, model, optimizer, scaler, loader, t, device, dtype)
+
+    run_step = CapturedStep(one_step, optimizer, t.grad_accum) if t.cuda_graph else one_step
     profiler = StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps)
 
     started = time.perf_counter()
@@ -150,16 +158,17 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
         state = run_state(step, model_cfg, scaler, loader_state, config_dict, logger.wandb_id, device, rng)
         if ranks.sharded:
             return save_sharded_checkpoint(run_dir, step, model, optimizer, state, t.keep_checkpoints, ranks.is_main)
-        state.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+        state.update(model=model.state_dict(), optimizer=plain_state_dict(optimizer))
         return save_checkpoint(run_dir, step, state, t.keep_checkpoints)
 
     with StopRequest() as stop:
         for step in range(start_step + 1, t.max_steps + 1):
             loader_before, rng_before = train_loader.state_dict(), rng_state(device)  # an OOM saves the step before
-            set_lr(optimizer, lr_at(step, cfg.optim, t.max_steps))
+            lr = lr_at(step, cfg.optim, t.max_steps)
+            set_lr(optimizer, lr)
             profiler.before_step(step)
             try:
-                loss_t, grad_norm_t, good = train_step(step_model, model, optimizer, scaler, train_loader, t, device, dtype)
+                loss_t, grad_norm_t, good = run_step(train_loader)
             except torch.OutOfMemoryError as err:
                 optimizer.zero_grad(set_to_none=True)
                 # A sharded save needs every rank, and the others may be waiting inside the failed step.
@@ -193,7 +202,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
                     "(trainer.max_bad_steps sets the limit)"
                 )
             if log_due:
-                record = {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm}
                 record.update(meter.report())
                 record["peak_vram_mb"] = distributed.maximum(record["peak_vram_mb"])
                 record["elapsed_s"] = time.perf_counter() - started
@@ -293,15 +302,19 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
                 _, loss = step_model(x, y, doc_ids)
             loss_sum += loss.detach()
             scaler.scale(loss / t.grad_accum).backward()
-    scaler.unscale_(optimizer)
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-    grad_norm = distributed.local(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     loss_mean = distributed.mean(loss_sum / t.grad_accum)  # every rank decides on the same loss
     if scaler.is_enabled():
+        scaler.unscale_(optimizer)
+        grad_norm = distributed.local(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         good = torch.isfinite(loss_mean)
         scaler.step(optimizer)
         scaler.update()
     else:
+        if distributed.is_sharded(model):
+            grad_norm = distributed.local(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        else:
+            grad_norm = clip_in_step(optimizer, model.parameters(), max_norm)
         good = torch.isfinite(loss_mean) & torch.isfinite(grad_norm)
         optimizer.found_inf = (~good).float()
         optimizer.step()

@@ -1,5 +1,6 @@
-"""AdamW with weight decay on matmul weights only, and the learning-rate schedules."""
+"""AdamW with weight decay on matmul weights only, clipping inside its fused step, and the learning-rate schedules."""
 import math
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -48,5 +49,40 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate; a captured step's (a device tensor, see make_capturable) in place."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def clip_in_step(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total gradient norm of ``params``; clipping to ``max_norm`` is left to the fused step.
+
+    Sets ``optimizer.grad_scale`` to max(1, norm / max_norm): the fused AdamW divides every gradient
+    by it as it reads it, which is what ``clip_grad_norm_`` does with a separate multiply over all
+    gradients (one more read and write of each). max_norm=inf: no clipping. Returns the norm, a
+    device tensor (no host sync).
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    optimizer.grad_scale = None if math.isinf(max_norm) else torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Let a CUDA graph capture ``optimizer.step()``: each group's learning rate becomes a device
+    tensor, read by the fused kernel at every replay and updated in place by ``set_lr``."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        group["lr"] = torch.tensor(float(group["lr"]), device=group["params"][0].device)
+
+
+def plain_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` as an uncaptured run saves it (float learning rates, capturable off),
+    so a checkpoint resumes with or without CUDA graphs, on any device."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:  # copies of the live groups
+        group["lr"] = float(group["lr"])
+        group["capturable"] = False
+    return state

@@ -1,0 +1,154 @@
+"""trainer.cuda_graph: clipping inside the fused step, the captured step's pieces, and (on a GPU)
+captured runs that match uncaptured ones step for step."""
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from training.checkpoint import list_checkpoints, load_checkpoint
+from training.cuda_graph import StaticBatches, check_supported
+from training.errors import UserError
+from training.loop import train
+from training.optim import clip_in_step, make_capturable, plain_state_dict, set_lr
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def two_layer_net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def backward_once(net: torch.nn.Module, scale: float) -> None:
+    torch.manual_seed(1)
+    (net(torch.randn(5, 8)).square().sum() * scale).backward()
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])  # below and above the clipping threshold
+def test_clipping_inside_the_fused_step_equals_clip_grad_norm_then_step(scale):
+    plain, folded = two_layer_net(), two_layer_net()
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    opt_folded = torch.optim.AdamW(folded.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        backward_once(plain, scale)
+        backward_once(folded, scale)
+        norm_plain = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        norm_folded = clip_in_step(opt_folded, folded.parameters(), 1.0)
+        opt_plain.step()
+        opt_folded.step()
+        opt_plain.zero_grad(set_to_none=True)
+        opt_folded.zero_grad(set_to_none=True)
+        torch.testing.assert_close(norm_folded, norm_plain, rtol=0, atol=0)
+    for a, b in zip(plain.parameters(), folded.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_no_clipping_leaves_the_step_unscaled():
+    net = two_layer_net()
+    opt = torch.optim.AdamW(net.parameters(), fused=True)
+    backward_once(net, 1e3)
+    norm = clip_in_step(opt, net.parameters(), float("inf"))
+    assert opt.grad_scale is None and norm > 1.0
+
+
+def test_a_captured_optimizer_saves_like_an_uncaptured_one():
+    opt = torch.optim.AdamW(two_layer_net().parameters(), lr=3e-4, fused=True)
+    make_capturable(opt)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and opt.param_groups[0]["capturable"]
+    set_lr(opt, 1e-3)
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-3)  # in place: a graph reads it
+    saved = plain_state_dict(opt)
+    assert saved["param_groups"][0]["lr"] == pytest.approx(1e-3) and not saved["param_groups"][0]["capturable"]
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live groups are untouched
+
+
+def test_static_batches_cycle_and_refill_in_place():
+    buffers = [(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long), None) for _ in range(2)]
+    static = StaticBatches(buffers)
+    fresh = iter([(torch.full((2, 3), i), torch.full((2, 3), -i), None) for i in (1, 2)])
+
+    class Loader:
+        def next_batch(self):
+            return next(fresh)
+
+    static.refill(Loader())
+    drawn = [static.next_batch() for _ in range(3)]
+    assert [int(x[0, 0]) for x, _, _ in drawn] == [1, 2, 1]
+    assert drawn[0][0] is buffers[0][0] and int(buffers[1][1][0, 0]) == -2
+
+
+@pytest.mark.parametrize("device, dtype, distributed, document_mask, needle", [
+    ("cpu", torch.float32, "none", False, "needs a CUDA GPU"),
+    ("cuda", torch.float16, "none", False, "trainer.dtype=bf16"),
+    ("cuda", torch.bfloat16, "ddp", False, "trainer.distributed=ddp"),
+    ("cuda", torch.bfloat16, "none", True, "data.document_mask=true"),
+])
+def test_what_cannot_be_captured_is_refused_with_the_way_out(device, dtype, distributed, document_mask, needle):
+    with pytest.raises(UserError, match="trainer.cuda_graph=true cannot be used here") as refused:
+        check_supported(torch.device(device), dtype, distributed, document_mask)
+    assert needle in str(refused.value) and "trainer.cuda_graph=false" in str(refused.value)
+
+
+def test_a_cpu_run_with_cuda_graph_stops_before_training(tmp_path, data_cache):
+    with pytest.raises(UserError, match="needs a CUDA GPU and this run uses cpu"):
+        train(tiny_config(data_cache, cuda_graph=True), tmp_path)
+    assert not list_checkpoints(tmp_path)
+
+
+def loss_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def gpu_config(data_cache, **trainer):
+    settings = dict(device="cuda", dtype="bf16", max_steps=12, log_interval=1, grad_accum=2, ckpt_interval=6)
+    settings.update(trainer)
+    cfg = tiny_config(data_cache, **settings)
+    cfg.model.dropout = 0.0  # the same numbers with and without the graph
+    return cfg
+
+
+def assert_same_records(captured, plain):
+    assert [r[0] for r in captured] == [r[0] for r in plain]
+    for (step, *values), (_, *expected) in zip(captured, plain):
+        assert values == pytest.approx(expected, rel=1e-5), f"step {step}"
+
+
+@CUDA
+@pytest.mark.parametrize("dtype, compile_, attention", [
+    ("bf16", False, "sdpa"), ("fp32", False, "sdpa"), ("bf16", True, "flash"),
+])
+def test_a_captured_run_matches_the_uncaptured_one_step_for_step(tmp_path, data_cache, dtype, compile_, attention):
+    """Twelve steps through warm-up (the learning rate changes every step) with two micro-batches a
+    step: every loss, learning rate and gradient norm equals the uncaptured run's."""
+    runs = {}
+    for captured in (False, True):
+        cfg = gpu_config(data_cache, dtype=dtype, compile=compile_, cuda_graph=captured)
+        cfg.attention.name = attention
+        train(cfg, tmp_path / str(captured))
+        runs[captured] = loss_records(tmp_path / str(captured))
+    assert_same_records(runs[True], runs[False])
+
+
+@CUDA
+def test_a_captured_checkpoint_resumes_without_the_graph(tmp_path, data_cache):
+    train(gpu_config(data_cache, cuda_graph=True), tmp_path / "captured")
+    step6 = load_checkpoint(tmp_path / "captured" / "checkpoints" / "step_0000006.pt")
+    assert all(isinstance(g["lr"], float) and not g["capturable"] for g in step6["optimizer"]["param_groups"])
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "step_0000006.pt").write_bytes(
+        (tmp_path / "captured" / "checkpoints" / "step_0000006.pt").read_bytes())
+    train(gpu_config(data_cache), resumed)
+    assert_same_records(loss_records(resumed), loss_records(tmp_path / "captured")[6:])
+
+
+@CUDA
+def test_a_captured_run_with_dropout_learns(tmp_path, data_cache):
+    cfg = gpu_config(data_cache, cuda_graph=True, max_steps=60, log_interval=10)
+    cfg.model.dropout = 0.1
+    train(cfg, tmp_path)
+    records = loss_records(tmp_path)
+    assert records[-1][1] < records[0][1] - 0.5
