@@ -110,10 +110,10 @@ def gpu_config(data_cache, **trainer):
     return cfg
 
 
-def assert_same_records(captured, plain):
+def assert_same_records(captured, plain, rel=1e-5):
     assert [r[0] for r in captured] == [r[0] for r in plain]
     for (step, *values), (_, *expected) in zip(captured, plain):
-        assert values == pytest.approx(expected, rel=1e-5), f"step {step}"
+        assert values == pytest.approx(expected, rel=rel), f"step {step}"
 
 
 @CUDA
@@ -122,14 +122,17 @@ def assert_same_records(captured, plain):
 ])
 def test_a_captured_run_matches_the_uncaptured_one_step_for_step(tmp_path, data_cache, dtype, compile_, attention):
     """Twelve steps through warm-up (the learning rate changes every step) with two micro-batches a
-    step: every loss, learning rate and gradient norm equals the uncaptured run's."""
+    step: every loss, learning rate and gradient norm equals the uncaptured run's. Compiled runs
+    are not bitwise reproducible even uncaptured (Inductor sums the embedding's gradient with
+    atomic adds, in no fixed order), so there the records agree to 1e-3; a replay reading a stale
+    batch or learning rate is off by far more."""
     runs = {}
     for captured in (False, True):
         cfg = gpu_config(data_cache, dtype=dtype, compile=compile_, cuda_graph=captured)
         cfg.attention.name = attention
         train(cfg, tmp_path / str(captured))
         runs[captured] = loss_records(tmp_path / str(captured))
-    assert_same_records(runs[True], runs[False])
+    assert_same_records(runs[True], runs[False], rel=1e-3 if compile_ else 1e-5)
 
 
 @CUDA
