@@ -4,9 +4,13 @@ For GPT-2's 50304-token vocabulary the logits of a 12 x 1024 batch are 1.2 GB in
 fp32, kept for the backward. Here rows are processed ``chunk`` at a time: each chunk's logits are
 computed, turned into the loss and into the gradients of the hidden states and the head weight at
 once, and dropped. The matmuls are the same three as the plain version (logits, dh, dW), so the
-cost in FLOPs is unchanged; memory holds one chunk of logits instead of all of them.
+cost in FLOPs is unchanged; memory holds one chunk of logits instead of all of them. On a GPU each
+chunk's loss and gradient come from one Triton kernel that overwrites the logits with their
+gradient (kernels/cross_entropy); elsewhere from PyTorch.
 """
 import torch
+
+from kernels.cross_entropy import fused_cross_entropy_available, softmax_cross_entropy_
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -28,18 +32,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_c = h[start:start + chunk].to(compute_dtype)
             y_c = targets[start:start + chunk]
-            logits = h_c @ w.t()  # (n, V) in the compute dtype; each use below upcasts
-            lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
-            loss += (lse - logits.gather(1, y_c[:, None]).squeeze(1).to(acc_dtype)).sum()
-            grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
-            if torch.compiler.is_compiling():
-                # A pointwise one-hot fuses with the exp and the cast into one kernel: no (n, V) fp32 buffer is
-                # written (an in-place scatter would make the compiler materialise grad in fp32 first).
-                one_hot = torch.arange(weight.shape[0], device=h.device) == y_c[:, None]
-                grad = (grad - one_hot.to(acc_dtype)).to(compute_dtype)
+            logits = h_c @ w.t()  # (n, V) in the compute dtype
+            if fused_cross_entropy_available(logits):
+                loss += softmax_cross_entropy_(logits, y_c).sum()  # logits now hold their gradient
+                grad = logits
             else:
-                # Eager: in place, so no second (n, V) temporary.
-                grad = grad.scatter_add_(1, y_c[:, None], torch.full_like(y_c[:, None], -1, dtype=grad.dtype)).to(compute_dtype)
+                row_loss, grad = cross_entropy_and_grad(logits, y_c, acc_dtype)
+                loss += row_loss.sum()
             dh[start:start + chunk] = (grad @ w).to(h.dtype)
             dw += (grad.t() @ h_c).to(acc_dtype)
         ctx.save_for_backward(dh, dw)
@@ -52,6 +51,21 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         scale = grad_loss / ctx.n
         return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None
+
+
+def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype):
+    """PyTorch version of the kernel: (row losses in acc_dtype, softmax - onehot in logits' dtype)."""
+    lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
+    row_loss = lse - logits.gather(1, targets[:, None]).squeeze(1).to(acc_dtype)
+    grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
+    if torch.compiler.is_compiling():
+        # A pointwise one-hot fuses with the exp and the cast into one kernel: no (n, V) fp32 buffer is
+        # written (an in-place scatter would make the compiler materialise grad in fp32 first).
+        one_hot = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+        return row_loss, (grad - one_hot.to(acc_dtype)).to(logits.dtype)
+    # Eager: in place, so no second (n, V) temporary.
+    minus_one = torch.full_like(targets[:, None], -1, dtype=grad.dtype)
+    return row_loss, grad.scatter_add_(1, targets[:, None], minus_one).to(logits.dtype)
 
 
 def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

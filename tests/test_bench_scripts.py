@@ -108,6 +108,13 @@ def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cross_entropy_benchmark_fails_clearly_without_cuda():
+    proc = run(["scripts/bench_cross_entropy.py"])
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_cross_entropy.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
