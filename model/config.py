@@ -24,6 +24,7 @@ class ModelConfig:
     pos: str = "learned"
     mlp: str = "gelu"
     activation_checkpointing: bool = False
+    loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
 
     @property
     def kv_heads(self) -> int:
@@ -41,7 +42,7 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 def validate_model(cfg: ModelConfig) -> None:
     """Reject shapes the model cannot be built with; each message names the option and the fix."""
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "loss_chunk"):
         if getattr(cfg, key) <= 0:
             raise UserError(f"model.{key}={getattr(cfg, key)} must be a positive integer")
     if cfg.n_embd % cfg.n_head:

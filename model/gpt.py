@@ -164,7 +164,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
-        return None, lm_loss(x, self.lm_head.weight, targets)
+        return None, lm_loss(x, self.lm_head.weight, targets, chunk=self.cfg.loss_chunk)
 
     @torch.no_grad()
     def generate(

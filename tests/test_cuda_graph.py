@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_config
 from training.checkpoint import list_checkpoints, load_checkpoint
-from training.cuda_graph import StaticBatches, check_supported
+from training.config import validate
+from training.cuda_graph import StaticBatches, use_cuda_graph
 from training.errors import UserError
 from training.loop import train
 from training.optim import clip_in_step, make_capturable, plain_state_dict, set_lr
@@ -85,10 +86,26 @@ def test_static_batches_cycle_and_refill_in_place():
     ("cuda", torch.bfloat16, "ddp", False, "trainer.distributed=ddp"),
     ("cuda", torch.bfloat16, "none", True, "data.document_mask=true"),
 ])
-def test_what_cannot_be_captured_is_refused_with_the_way_out(device, dtype, distributed, document_mask, needle):
+def test_what_cannot_be_captured_is_refused_with_the_way_out(device, dtype, distributed, document_mask, needle, capsys):
+    settings = (torch.device(device), dtype, distributed, document_mask)
     with pytest.raises(UserError, match="trainer.cuda_graph=true cannot be used here") as refused:
-        check_supported(torch.device(device), dtype, distributed, document_mask)
+        use_cuda_graph(True, *settings)
     assert needle in str(refused.value) and "trainer.cuda_graph=false" in str(refused.value)
+    assert use_cuda_graph("auto", *settings) is False  # auto: uncaptured, and says why
+    assert needle in capsys.readouterr().out
+    assert use_cuda_graph(False, *settings) is False
+
+
+def test_a_capturable_run_is_captured_when_asked_or_on_auto():
+    for setting in (True, "auto"):
+        assert use_cuda_graph(setting, torch.device("cuda"), torch.bfloat16, "none", False) is True
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_cuda_graph_takes_true_false_or_auto(data_cache, value):
+    cfg = tiny_config(data_cache, cuda_graph=value)
+    with pytest.raises(UserError, match="trainer.cuda_graph=.* must be true, false or auto"):
+        validate(cfg)
 
 
 def test_a_cpu_run_with_cuda_graph_stops_before_training(tmp_path, data_cache):

@@ -17,6 +17,8 @@ CASES = [
     pytest.param(["trainer.dtype=fp8"], "trainer.dtype='fp8' is not one of auto, bf16, fp16, fp32", id="bad-dtype"),
     pytest.param(["trainer.batch_size=0"], "trainer.batch_size=0 must be a positive integer or auto", id="zero-batch"),
     pytest.param(["model.block_size=-1"], "model.block_size=-1 must be a positive integer", id="negative-block"),
+    pytest.param(["model.loss_chunk=0"], "model.loss_chunk=0 must be a positive integer", id="zero-loss-chunk"),
+    pytest.param(["trainer.cuda_graph=maybe"], "trainer.cuda_graph='maybe' must be true, false or auto", id="cuda-graph-word"),
     pytest.param(["optim.schedule=linear"], "optim.schedule='linear' is not one of cosine, wsd, constant", id="bad-schedule"),
     pytest.param(["attention=flash", "attention.strict=true"], "attention=flash cannot run", id="flash-strict-on-cpu"),
     pytest.param(["trainer.resume=/nonexistent/ckpt.pt"], "no such checkpoint; use trainer.resume=auto", id="missing-checkpoint"),

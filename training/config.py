@@ -38,7 +38,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
-    cuda_graph: bool = False  # replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
+    cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
     max_steps: int = 2000
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
@@ -115,6 +115,8 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.distributed", t.distributed, KINDS)
     if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int) or t.batch_size <= 0):
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
+    if not (isinstance(t.cuda_graph, bool) or t.cuda_graph == "auto"):
+        raise UserError(f"trainer.cuda_graph={t.cuda_graph!r} must be true, false or auto")
     if t.vram_budget_gb is not None:
         _positive("trainer.vram_budget_gb", t.vram_budget_gb)
     for key in ("max_steps", "grad_accum", "eval_interval", "eval_iters",

@@ -9,7 +9,8 @@ step copies its batches into those buffers, sets the learning rate and replays.
 
 What a captured step cannot do is anything that needs the host inside the step: the document mask
 (its boundaries are read on the host), several processes (their collectives) and the fp16 grad
-scaler's skip-and-rescale are refused up front (``check_supported``).
+scaler's skip-and-rescale are refused up front (``use_cuda_graph``); ``trainer.cuda_graph=auto``
+captures where it can and runs uncaptured elsewhere.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -24,19 +25,34 @@ Batch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 StepOutputs = Tuple[torch.Tensor, ...]
 
 
-def check_supported(device: torch.device, dtype: torch.dtype, distributed: str, document_mask: bool) -> None:
-    """Raise UserError when ``trainer.cuda_graph=true`` cannot capture this run, naming the way out."""
-    reason = None
+def unsupported_reason(device: torch.device, dtype: torch.dtype, distributed: str, document_mask: bool) -> Optional[str]:
+    """Why a run with these settings cannot be captured; None when it can."""
     if device.type != "cuda":
-        reason = f"it needs a CUDA GPU and this run uses {device.type}"
-    elif dtype == torch.float16:
-        reason = "fp16's grad scaler decides on the host whether a step counts; use trainer.dtype=bf16 or fp32"
-    elif distributed != "none":
-        reason = f"trainer.distributed={distributed} synchronises the ranks from the host"
-    elif document_mask:
-        reason = "data.document_mask=true reads each batch's document boundaries on the host"
-    if reason:
-        raise UserError(f"trainer.cuda_graph=true cannot be used here: {reason} (or set trainer.cuda_graph=false)")
+        return f"it needs a CUDA GPU and this run uses {device.type}"
+    if dtype == torch.float16:
+        return "fp16's grad scaler decides on the host whether a step counts; use trainer.dtype=bf16 or fp32"
+    if distributed != "none":
+        return f"trainer.distributed={distributed} synchronises the ranks from the host"
+    if document_mask:
+        return "data.document_mask=true reads each batch's document boundaries on the host"
+    return None
+
+
+def use_cuda_graph(setting, device: torch.device, dtype: torch.dtype, distributed: str, document_mask: bool) -> bool:
+    """Whether to capture, for ``trainer.cuda_graph`` = true, false or auto.
+
+    true where it cannot be done raises UserError naming the way out; auto captures where it can
+    and otherwise says why not and runs uncaptured.
+    """
+    if not setting:
+        return False
+    reason = unsupported_reason(device, dtype, distributed, document_mask)
+    if reason is None:
+        return True
+    if setting == "auto":
+        print(f"trainer.cuda_graph=auto: steps run uncaptured, as {reason}")
+        return False
+    raise UserError(f"trainer.cuda_graph=true cannot be used here: {reason} (or set trainer.cuda_graph=false)")
 
 
 class StaticBatches:

@@ -38,7 +38,7 @@ from training import distributed
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, clip_in_step, lr_at, plain_state_dict, set_lr
-from training.cuda_graph import CapturedStep, check_supported as check_cuda_graph
+from training.cuda_graph import CapturedStep, use_cuda_graph
 from training.profiling import StepProfiler
 from training.precision import apply_vram_budget, autocast, dtype_name, make_grad_scaler, resolve_device, resolve_dtype
 from training.signals import StopRequest
@@ -91,8 +91,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     t = cfg.trainer
     run_dir.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(t.dtype, device)
-    if t.cuda_graph:
-        check_cuda_graph(device, dtype, t.distributed, cfg.data.document_mask)
+    captured = use_cuda_graph(t.cuda_graph, device, dtype, t.distributed, cfg.data.document_mask)
     apply_vram_budget(device, t.vram_budget_gb)
     torch.manual_seed(t.seed)
 
@@ -145,7 +144,7 @@ def train_ranks(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, devic
     def one_step(loader):
         return train_step(step_model, model, optimizer, scaler, loader, t, device, dtype)
 
-    run_step = CapturedStep(one_step, optimizer, t.grad_accum) if t.cuda_graph else one_step
+    run_step = CapturedStep(one_step, optimizer, t.grad_accum) if captured else one_step
     profiler = StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps)
 
     started = time.perf_counter()
