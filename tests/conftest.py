@@ -38,8 +38,10 @@ def tiny_config(cache_dir: str, **trainer) -> TrainConfig:
 
 
 def run_env() -> dict:
-    """Environment for `python train.py` subprocesses: the repo importable, no GPU, no wandb calls."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled")
+    """Environment for `python train.py` subprocesses: the repo importable (ahead of any PYTHONPATH
+    already set, which may hold the packages), no GPU, no wandb calls."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled")
     env.pop("TRITON_INTERPRET", None)
     return env
 
