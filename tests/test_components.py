@@ -2,12 +2,12 @@
 import pytest
 import torch
 
+from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import AttentionConfig
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from training.config import OptimConfig
-from training.errors import UserError
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at
 from training.precision import resolve_device, resolve_dtype

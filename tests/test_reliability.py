@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from conftest import REPO, run_env, tiny_config
+from errors import UserError
 from training import loop
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from training.cli import exit_on_user_error
-from training.errors import UserError
 
 VOLATILE = ("tokens_per_s", "elapsed_s")
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from errors import UserError
 from training import distributed
-from training.errors import UserError
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"

@@ -17,9 +17,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from errors import UserError
 from training.config import TrainConfig, validate
-from training.errors import UserError
-from training.loop import Interrupted
+from training.errors import Interrupted, OutOfMemory
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "attention", "data", "optim", "trainer", "logger", "experiment")
@@ -163,8 +163,8 @@ def exit_on_user_error():
         yield
     except UserError as err:
         fail(str(err))
-    except torch.OutOfMemoryError as err:
-        fail(out_of_memory_advice(err))
+    except torch.OutOfMemoryError:
+        fail(str(OutOfMemory()))
     except Interrupted as stop:
         print(str(stop), file=sys.stderr)
         sys.exit(128 + stop.signum)
@@ -172,13 +172,3 @@ def exit_on_user_error():
         print("interrupted outside the training steps; checkpoints written so far are kept", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
 
-
-def out_of_memory_advice(err: BaseException) -> str:
-    peak = ""
-    if torch.cuda.is_available():
-        peak = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated)"
-    return (
-        f"the GPU ran out of memory{peak}. Try a smaller trainer.batch_size with a larger trainer.grad_accum "
-        "(same tokens per step), attention=flash or attention=hybrid instead of naive, "
-        "model.activation_checkpointing=true, or a shorter model.block_size. Checkpoints written so far are kept."
-    )

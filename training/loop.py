@@ -32,7 +32,7 @@ from training.checkpoint import (
     save_sharded_checkpoint,
 )
 from training.config import TrainConfig, TrainerConfig
-from training.errors import UserError
+from errors import UserError
 from training.fit import auto_batch_size
 from training import distributed
 from training.loggers import MetricsLogger, QuietLogger
