@@ -132,6 +132,26 @@ def test_chunked_loss_equals_cross_entropy_with_gradients(chunk):
     assert torch.autograd.gradcheck(lambda h, w: lm_loss(h, w, y, chunk), (h, w))
 
 
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_loss_without_gradients_computes_only_the_loss(chunk):
+    """Under torch.no_grad (evaluation) the loss is the same, from one matmul per chunk instead of three."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model.loss import lm_loss
+
+    gen = torch.Generator().manual_seed(chunk)
+    h = torch.randn(2, 30, 8, generator=gen, requires_grad=True)
+    w = torch.randn(50, 8, generator=gen, requires_grad=True)
+    y = torch.randint(0, 50, (2, 30), generator=gen)
+    with FlopCounterMode(display=False) as training:
+        want = lm_loss(h, w, y, chunk)
+    with torch.no_grad(), FlopCounterMode(display=False) as evaluating:
+        got = lm_loss(h, w, y, chunk)
+    assert torch.equal(got, want.detach()) and not got.requires_grad
+    logits_flops = 2 * 60 * 8 * 50
+    assert (training.get_total_flops(), evaluating.get_total_flops()) == (3 * logits_flops, logits_flops)
+
+
 def test_model_compiles_with_no_graph_break():
     model = tiny_gpt(pos="rope")
     x = torch.randint(0, 64, (2, 16))
