@@ -11,14 +11,16 @@ MLPS = ("gelu", "swiglu")
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
+    """The defaults are model=small: ~10.7M parameters besides the embeddings."""
+
+    name: str = "small"
+    n_layer: int = 6
+    n_head: int = 6
     n_kv_head: Optional[int] = None  # grouped-query attention; None means n_head
-    n_embd: int = 128
-    block_size: int = 128  # longest sequence the model accepts
+    n_embd: int = 384
+    block_size: int = 256  # longest sequence the model accepts
     vocab_size: Optional[int] = None  # None: taken from the tokenizer, padded to a multiple of 64
-    dropout: float = 0.0
+    dropout: float = 0.1
     bias: bool = False
     norm: str = "layernorm"
     pos: str = "learned"

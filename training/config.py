@@ -1,8 +1,11 @@
 """The typed schema of a run and its registration with Hydra.
 
-Every YAML file under configs/ is merged onto these dataclasses, so a misspelt key or a value of the
-wrong type fails when the config is composed. ``validate`` checks the values that types cannot
-(choices, ranges, combinations) and raises UserError naming the option.
+The dataclasses hold every default: what `python train.py` runs with the default choices of
+configs/train.yaml (model=small, attention=sdpa, data=shakespeare, optim=adamw, trainer=default,
+logger=default). A YAML file under configs/ holds only what its choice changes, and is merged onto
+these dataclasses, so a misspelt key or a value of the wrong type fails when the config is composed.
+``validate`` checks the values that types cannot (choices, ranges, combinations) and raises
+UserError naming the option.
 """
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -24,8 +27,8 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    min_lr: float = 6e-5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings decay-free
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -40,14 +43,14 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
-    max_steps: int = 2000
+    max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
     grad_clip: float = 1.0  # 0 disables clipping
-    eval_interval: int = 250
+    eval_interval: int = 100
     eval_iters: int = 20
     log_interval: int = 10
-    ckpt_interval: int = 500
+    ckpt_interval: int = 250
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <path to a checkpoint file>
     seed: int = 1337
