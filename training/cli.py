@@ -71,7 +71,8 @@ def check_overrides(argv: List[str]) -> None:
     if args.shell_completion:
         return  # its words (install=bash, query=...) are not overrides
     dirs = config_dirs(args)
-    for override in parse_overrides(args.overrides):
+    overrides = parse_overrides(args.overrides)
+    for override in overrides:
         key = override.key_or_group
         if key.startswith("hydra") or override.is_delete():
             continue
@@ -81,7 +82,7 @@ def check_overrides(argv: List[str]) -> None:
             field = _check_key(key)
             if field is not None and not override.is_sweep_override():
                 _check_type(key, field, override.value())
-    _check_local_file(args.overrides, dirs)
+    _check_local_file(overrides, dirs)
 
 
 def parse_overrides(overrides: List[str]):
@@ -108,11 +109,13 @@ def _check_choice(group: str, override, dirs: Sequence[Path]) -> None:
             fail(f"{group}={value} is not a config; {there}")
 
 
-def _check_local_file(overrides: List[str], dirs: Sequence[Path]) -> None:
-    """The configs/local/ file this run loads (local=<name>, else default.yaml): its header, keys and
-    value types."""
-    chosen = [o.value() for o in parse_overrides(overrides) if o.key_or_group == "local" and not o.is_delete()]
-    name = chosen[-1] if chosen and isinstance(chosen[-1], str) else "default"
+def _check_local_file(overrides, dirs: Sequence[Path]) -> None:
+    """The configs/local/ file this run loads (local=<name>, else default.yaml; none with ~local): its
+    header, keys and value types."""
+    chosen = [o for o in overrides if o.key_or_group == "local"]
+    if chosen and (chosen[-1].is_delete() or not isinstance(chosen[-1].value(), str)):
+        return  # ~local, or a sweep over local files (each is checked by the group choice)
+    name = chosen[-1].value() if chosen else "default"
     path = next((d / "local" / f"{name}.yaml" for d in dirs if (d / "local" / f"{name}.yaml").is_file()), None)
     if path is None:
         return
@@ -171,7 +174,7 @@ def _check_key(key: str, where: str = ""):
 def _check_type(key: str, field, value, where: str = "") -> None:
     """An int/float/bool/list option given a value of another kind fails here, in one line."""
     if isinstance(value, str) and "${" in value:
-        return _check_interpolation(key, value)  # resolved later, to a value of the right type or an error
+        return _check_interpolation(key, value, where)  # resolved later, to a value of the right type or an error
     kind = field.type
     optional = getattr(kind, "__args__", None)
     if optional and type(None) in optional:
@@ -192,12 +195,12 @@ def _check_type(key: str, field, value, where: str = "") -> None:
         fail(f"{where}{key}={value} has the wrong type: it takes a list, e.g. {key}=[0.9,0.95]")
 
 
-def _check_interpolation(key: str, value: str) -> None:
+def _check_interpolation(key: str, value: str, where: str = "") -> None:
     """``${name:...}`` calls an OmegaConf resolver; reject names that are not registered, before Hydra
     fails on them with a traceback. No resolver evaluates Python."""
     for name in re.findall(r"(?<!\\)\$\{\s*([\w.-]+)\s*:", value):
         if not (OmegaConf.has_resolver(name) or name in ("now", "hydra")):  # Hydra registers these two later
-            fail(f"{key}={value}: '{name}' is not a config resolver (there are oc.env, oc.select, oc.decode, "
+            fail(f"{where}{key}={value}: '{name}' is not a config resolver (there are oc.env, oc.select, oc.decode, "
                  "oc.create, now, hydra; nothing evaluates Python); write \\${...} for a literal ${")
 
 
@@ -242,21 +245,14 @@ def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
         where = f" (at {err.full_key})" if getattr(err, "full_key", None) else ""
         raise UserError(f"the config does not resolve: {str(err).splitlines()[0]}{where}") from err
     validate(typed)
-    for key, value in _strings(dataclasses.asdict(typed)):
-        if "${" in value:  # an escaped \${...}: saving the config would read it as an interpolation again
+    for key, value in _leaves(dataclasses.asdict(typed)):
+        # An escaped \${...}: saving the config would read it as an interpolation again.
+        if isinstance(value, str) and "${" in value:
             raise UserError(f"{key}={value}: a literal '${{' cannot be kept in a config value; remove it")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed), resolve=True))
     return typed, run_dir
-
-
-def _strings(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _strings(value, f"{prefix}{key}.")
-        elif isinstance(value, str):
-            yield f"{prefix}{key}", value
 
 
 @contextlib.contextmanager
