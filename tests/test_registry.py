@@ -88,3 +88,19 @@ def test_the_packed_variant_is_there_exactly_when_the_table_names_one():
             warnings.simplefilter("ignore")  # a backend that cannot run here falls back
             attend, ran = build_attention(AttentionConfig(name=name), CPU)
         assert (attend.packed is not None) == (BACKENDS[ran].packed is not None), name
+
+
+@pytest.mark.parametrize("capability,runs", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_flash_says_why_an_old_gpu_cannot_run_it(monkeypatch, capability, runs):
+    """Triton 3.3 dropped Turing (sm75): on a T4 flash falls back and says why."""
+    import triton
+
+    import kernels
+
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: (True, "a GPU"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    reason = attention.unavailable_reason("flash", torch.device("cuda", 0))
+    assert (reason == "") == runs
+    if not runs:
+        assert reason == "triton 3.6.0 does not compile for compute capability 7.5 (Turing and older; it needs 8.0, Ampere, or newer)"

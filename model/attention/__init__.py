@@ -49,8 +49,14 @@ def flash_unavailable_reason(device: torch.device) -> str:
     ok, reason = flash_attn_available()
     if not ok:
         return reason
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"the kernel runs on CUDA GPUs and this run uses {device.type}"
+    if device.type != "cuda":
+        return "" if os.environ.get("TRITON_INTERPRET") == "1" else f"the kernel runs on CUDA GPUs and this run uses {device.type}"
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0) and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3):
+        return (f"triton {triton.__version__} does not compile for compute capability {major}.{minor} "
+                "(Turing and older; it needs 8.0, Ampere, or newer)")
     return ""
 
 
