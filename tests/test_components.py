@@ -132,17 +132,19 @@ def test_chunked_loss_equals_cross_entropy_with_gradients(chunk):
     assert torch.autograd.gradcheck(lambda h, w: lm_loss(h, w, y, chunk), (h, w))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused cross-entropy kernel's path needs a CUDA GPU"))])
 @pytest.mark.parametrize("chunk", [7, 64])
-def test_chunked_loss_without_gradients_computes_only_the_loss(chunk):
+def test_chunked_loss_without_gradients_computes_only_the_loss(chunk, device):
     """Under torch.no_grad (evaluation) the loss is the same, from one matmul per chunk instead of three."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from model.loss import lm_loss
 
     gen = torch.Generator().manual_seed(chunk)
-    h = torch.randn(2, 30, 8, generator=gen, requires_grad=True)
-    w = torch.randn(50, 8, generator=gen, requires_grad=True)
-    y = torch.randint(0, 50, (2, 30), generator=gen)
+    h = torch.randn(2, 30, 8, generator=gen).to(device).requires_grad_()
+    w = torch.randn(50, 8, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, 50, (2, 30), generator=gen).to(device)
     with FlopCounterMode(display=False) as training:
         want = lm_loss(h, w, y, chunk)
     with torch.no_grad(), FlopCounterMode(display=False) as evaluating:
