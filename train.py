@@ -8,7 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from training.cli import check_overrides, config_from_hydra, exit_on_user_error, machine_defaults
+from training.cli import add_overrides, check_overrides, config_from_hydra, exit_on_user_error, machine_defaults
 from training.config import register_configs
 from training.loop import train
 
@@ -23,5 +23,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])
-    sys.argv += machine_defaults(sys.argv[1:])
+    sys.argv[1:] = add_overrides(sys.argv[1:], machine_defaults(sys.argv[1:]))
     main()

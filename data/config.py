@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from training.errors import UserError
+from errors import UserError, check_choice
 
 SOURCES = ("text", "hf")
 TOKENIZERS = ("gpt2", "char")
@@ -28,10 +28,8 @@ def validate(cfg: DataConfig) -> None:
     """Raise UserError naming the first option whose value cannot work, and how to fix it."""
     if not cfg.name or any(ch in cfg.name for ch in "/\\"):
         raise UserError(f"data.name={cfg.name!r} names the cache folder: give a non-empty label without slashes")
-    if cfg.source not in SOURCES:
-        raise UserError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
-    if cfg.tokenizer not in TOKENIZERS:
-        raise UserError(f"data.tokenizer={cfg.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+    check_choice("data.source", cfg.source, SOURCES)
+    check_choice("data.tokenizer", cfg.tokenizer, TOKENIZERS)
     if cfg.source == "hf" and not cfg.path:
         raise UserError("data=hf needs data.path: a hub dataset name (e.g. roneneldan/TinyStories) "
                         "or local .txt/.jsonl/.parquet files or a folder of them")

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import torch
 
-from training.errors import UserError
+from errors import UserError
 
 Batch = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
@@ -80,16 +80,3 @@ def document_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
     is_eot = (x == eot_id).to(torch.int32)
     return is_eot.cumsum(dim=1, dtype=torch.int32) - is_eot
 
-
-def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """doc_ids: (B, T) non-decreasing per row. Returns (cu_seqlens, max_seqlen) over the flattened
-    (B * T) sequence, where a new row also starts a document: cu_seqlens (N + 1,) int32 on doc_ids'
-    device holds the start of each of the N documents and then B * T. max_seqlen syncs with the device.
-    """
-    B, T = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)  # (B, T)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    begin = torch.nonzero(starts.flatten()).flatten()
-    end = torch.tensor([B * T], device=doc_ids.device)
-    cu_seqlens = torch.cat([begin, end]).to(torch.int32)
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

@@ -27,7 +27,7 @@ from data.config import DataConfig, validate
 from data.manifest import FORMAT, bin_checksum, read_manifest, source_records, stale_reason, write_manifest
 from data.sources import is_glob, load_hf_dataset, local_files, read_text_documents
 from data.tokenizers import CharTokenizer, GPT2Tokenizer, Tokenizer
-from training.errors import UserError
+from errors import UserError
 
 SPLITS = ("train", "val")
 CHUNK_CHARS = 2**20  # long texts are encoded in pieces of about this many characters

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from data.config import DataConfig
-from training.errors import UserError
+from errors import UserError
 
 EMBEDDED = Path(__file__).resolve().parent / "tinyshakespeare" / "input.txt"
 TEXT_SUFFIXES = (".txt", ".text", ".md")

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from training.errors import UserError
+from errors import UserError, check_choice, check_positive
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
@@ -11,14 +11,16 @@ MLPS = ("gelu", "swiglu")
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
+    """The defaults are model=small: ~10.7M parameters besides the embeddings."""
+
+    name: str = "small"
+    n_layer: int = 6
+    n_head: int = 6
     n_kv_head: Optional[int] = None  # grouped-query attention; None means n_head
-    n_embd: int = 128
-    block_size: int = 128  # longest sequence the model accepts
+    n_embd: int = 384
+    block_size: int = 256  # longest sequence the model accepts
     vocab_size: Optional[int] = None  # None: taken from the tokenizer, padded to a multiple of 64
-    dropout: float = 0.0
+    dropout: float = 0.1
     bias: bool = False
     norm: str = "layernorm"
     pos: str = "learned"
@@ -43,8 +45,7 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 def validate_model(cfg: ModelConfig) -> None:
     """Reject shapes the model cannot be built with; each message names the option and the fix."""
     for key in ("n_layer", "n_head", "n_embd", "block_size", "loss_chunk"):
-        if getattr(cfg, key) <= 0:
-            raise UserError(f"model.{key}={getattr(cfg, key)} must be a positive integer")
+        check_positive(f"model.{key}", getattr(cfg, key), kind="integer")
     if cfg.n_embd % cfg.n_head:
         raise UserError(
             f"model.n_embd={cfg.n_embd} is not divisible by model.n_head={cfg.n_head}; "
@@ -60,27 +61,14 @@ def validate_model(cfg: ModelConfig) -> None:
     if not 0.0 <= cfg.dropout < 1.0:
         raise UserError(f"model.dropout={cfg.dropout} must be in [0, 1)")
     for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
-        if getattr(cfg, key) not in choices:
-            raise UserError(f"model.{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
+        check_choice(f"model.{key}", getattr(cfg, key), choices)
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")
 
 
-ATTENTION_BACKENDS = ("naive", "hybrid", "sdpa", "flash")
-
-
 @dataclass
 class AttentionConfig:
-    name: str = "sdpa"  # naive | hybrid | sdpa | flash
+    name: str = "sdpa"  # a row of model/attention's BACKENDS table
     block_size: int = 64  # hybrid: queries per block
     window: Optional[int] = None  # sliding-window causal attention: each query sees its last `window` keys
-    strict: bool = False  # flash: fail instead of falling back to sdpa when the kernel cannot run
-
-
-def validate_attention(cfg: AttentionConfig) -> None:
-    if cfg.name not in ATTENTION_BACKENDS:
-        raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if cfg.block_size <= 0:
-        raise UserError(f"attention.block_size={cfg.block_size} must be a positive integer")
-    if cfg.window is not None and cfg.window <= 0:
-        raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")
+    strict: bool = False  # fail instead of falling back (flash: to sdpa) when the backend cannot run here

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import Attend
+from model.attention import Attention
 from model.config import ModelConfig
 from model.loss import lm_loss
 
@@ -40,7 +40,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention around a pluggable backend."""
 
-    def __init__(self, cfg: ModelConfig, attend: Attend):
+    def __init__(self, cfg: ModelConfig, attention: Attention):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
@@ -48,20 +48,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        self.attend = attend
-        self.attend_packed = getattr(attend, "packed", None)  # see model/attention/__init__.py
+        self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
-        if rope is None and self.attend_packed is not None:
-            y = self.attend_packed(qkv, self.n_head, doc_ids=doc_ids)  # (B, T, H, D)
+        if rope is None and self.attention.packed is not None:
+            y = self.attention.packed(qkv, self.n_head, doc_ids=doc_ids)  # (B, T, H, D)
         else:
             q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            y = self.attend(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
+            y = self.attention(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 
@@ -90,9 +89,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, attend: Attend):
+    def __init__(self, cfg: ModelConfig, attention: Attention):
         super().__init__()
-        self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attend)
+        self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attention)
         self.ln_2, self.mlp = make_norm(cfg), MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope=None, doc_ids=None) -> torch.Tensor:
@@ -103,17 +102,18 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer with weight tying and GPT-2 initialisation.
 
-    ``cfg.vocab_size`` must be set (the padded vocabulary); ``attend`` is the attention backend.
+    ``cfg.vocab_size`` must be set (the padded vocabulary); ``attention`` is the backend
+    (model/attention: ``build_attention``).
     """
 
-    def __init__(self, cfg: ModelConfig, attend: Attend):
+    def __init__(self, cfg: ModelConfig, attention: Attention):
         super().__init__()
         assert cfg.vocab_size is not None, "resolve model.vocab_size from the tokenizer before building"
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight

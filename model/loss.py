@@ -6,7 +6,8 @@ computed, turned into the loss and into the gradients of the hidden states and t
 once, and dropped. The matmuls are the same three as the plain version (logits, dh, dW), so the
 cost in FLOPs is unchanged; memory holds one chunk of logits instead of all of them. On a GPU each
 chunk's loss and gradient come from one Triton kernel that overwrites the logits with their
-gradient (kernels/cross_entropy); elsewhere from PyTorch.
+gradient (kernels/cross_entropy); elsewhere from PyTorch. When nothing needs a gradient (evaluation
+under torch.no_grad, generation) only the logits and the loss are computed: one matmul of three.
 """
 import torch
 
@@ -23,8 +24,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
         N = h.shape[0]
-        compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-        acc_dtype = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        compute_dtype, acc_dtype = loss_dtypes(h)
         w = weight.to(compute_dtype)
         loss = torch.zeros((), dtype=acc_dtype, device=h.device)
         dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
@@ -53,10 +53,37 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None
 
 
+def loss_dtypes(h: torch.Tensor):
+    """(dtype of the logits, dtype the loss and dW accumulate in): autocast's dtype or h's; fp32 or fp64."""
+    compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    return compute_dtype, torch.promote_types(compute_dtype, torch.float32)
+
+
+def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The forward of ChunkedLinearCrossEntropy without its gradients (evaluation, generation): one
+    matmul per chunk instead of three. Same shapes and the same value."""
+    compute_dtype, acc_dtype = loss_dtypes(h)
+    w = weight.to(compute_dtype)
+    loss = torch.zeros((), dtype=acc_dtype, device=h.device)
+    for start in range(0, h.shape[0], chunk):
+        y_c = targets[start:start + chunk]
+        logits = h[start:start + chunk].to(compute_dtype) @ w.t()
+        if fused_cross_entropy_available(logits):
+            loss += softmax_cross_entropy_(logits, y_c).sum()  # one pass; the gradient it leaves in logits is dropped
+        else:
+            loss += cross_entropy_rows(logits, y_c, acc_dtype)[0].sum()
+    return loss / h.shape[0]
+
+
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype):
+    """(row losses, row log-sum-exps) of logits: (n, V), both (n,) in acc_dtype."""
+    lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
+    return lse - logits.gather(1, targets[:, None]).squeeze(1).to(acc_dtype), lse
+
+
 def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype):
     """PyTorch version of the kernel: (row losses in acc_dtype, softmax - onehot in logits' dtype)."""
-    lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
-    row_loss = lse - logits.gather(1, targets[:, None]).squeeze(1).to(acc_dtype)
+    row_loss, lse = cross_entropy_rows(logits, targets, acc_dtype)
     grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
     if torch.compiler.is_compiling():
         # A pointwise one-hot fuses with the exp and the cast into one kernel: no (n, V) fp32 buffer is
@@ -71,7 +98,10 @@ def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtyp
 def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """Mean next-token cross-entropy of hidden states h: (B, T, C) under head ``weight``: (V, C).
 
-    targets: (B, T). Equal (up to rounding) to F.cross_entropy(h @ weight.T, targets).
+    targets: (B, T). Equal (up to rounding) to F.cross_entropy(h @ weight.T, targets). The gradients are
+    computed with the loss only when autograd will want them.
     """
-    C = h.shape[-1]
-    return ChunkedLinearCrossEntropy.apply(h.reshape(-1, C), weight, targets.reshape(-1), chunk)
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk)
+    return chunked_loss(h, weight, targets, chunk)

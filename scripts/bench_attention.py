@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model.attention import build_attention, flash_unavailable_reason  # noqa: E402
+from model.attention import BACKENDS, build_attention, unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
@@ -52,7 +52,7 @@ ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 40
            (1, 16, 16384, 128)]
 SWEEP_TOKENS = 32768
 SWEEP = [(SWEEP_TOKENS // T, 12, T, 64) for T in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
-OURS = ("naive", "hybrid", "sdpa", "flash")
+OURS = tuple(BACKENDS)  # the model's backends (model/attention)
 SDPA_KERNELS = {"sdpa-fa2": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 ALL_BACKENDS = (*OURS, *SDPA_KERNELS, "flex")
 MODES = ("fwd", "fwd+bwd")
@@ -111,8 +111,8 @@ def backends(device: torch.device, names) -> dict:
     """{name: attend(q, k, v) -> o, or a string saying why it cannot run here}."""
     found = {}
     for name in names:
-        if name == "flash" and flash_unavailable_reason(device):
-            found[name] = flash_unavailable_reason(device)
+        if name in OURS and unavailable_reason(name, device):
+            found[name] = unavailable_reason(name, device)
         elif name in OURS:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

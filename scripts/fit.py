@@ -26,17 +26,18 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from data.tokenizers import GPT2Tokenizer  # noqa: E402
-from model.config import ATTENTION_BACKENDS, padded_vocab  # noqa: E402
+from errors import UserError  # noqa: E402
+from model.attention import BACKENDS  # noqa: E402
+from model.config import padded_vocab  # noqa: E402
 from training.cli import check_overrides, fail  # noqa: E402
 from training.config import register_configs, validate  # noqa: E402
-from training.errors import UserError  # noqa: E402
 from training.fit import largest_batch, longest_sequence  # noqa: E402
 from training.precision import apply_vram_budget, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", help="comma-separated (default: attention= if given, else all four)")
+    p.add_argument("--backends", help="comma-separated (default: attention= if given, else every backend)")
     p.add_argument("--budgets", help="comma-separated GiB budgets (default: trainer.vram_budget_gb or the whole GPU)")
     p.add_argument("--target-tokens", type=int, default=2**19, help="tokens per optimizer step to reach with grad_accum")
     p.add_argument("--max-len", type=int, default=131072, help="longest sequence to try")
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
         raise UserError("scripts/fit.py measures GPU memory and needs a CUDA GPU (trainer.device=cuda)")
     dtype = resolve_dtype(cfg.trainer.dtype, device)
     chosen_attention = any(o.split("=")[0] in ("attention", "experiment") for o in overrides)
-    backends = args.backends.split(",") if args.backends else ([cfg.attention.name] if chosen_attention else list(ATTENTION_BACKENDS))
+    backends = args.backends.split(",") if args.backends else ([cfg.attention.name] if chosen_attention else list(BACKENDS))
     total_gb = torch.cuda.get_device_properties(device).total_memory / 2**30
     budgets = [float(b) for b in args.budgets.split(",")] if args.budgets else [cfg.trainer.vram_budget_gb or total_gb]
     model_cfg = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or padded_vocab(GPT2Tokenizer.vocab_size), dropout=0.0)

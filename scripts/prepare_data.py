@@ -15,7 +15,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from data.prepare import prepare_from_config, summary  # noqa: E402
-from training.cli import check_overrides, exit_on_user_error  # noqa: E402
+from training.cli import add_overrides, check_overrides, exit_on_user_error  # noqa: E402
 from training.config import register_configs  # noqa: E402
 
 register_configs()
@@ -29,5 +29,6 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    sys.argv[1:] = add_overrides(sys.argv[1:], quiet)
     main()

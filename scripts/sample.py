@@ -18,12 +18,12 @@ import torch  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.tokenizers import load_tokenizer  # noqa: E402
+from errors import UserError  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from training.checkpoint import NAME, latest_checkpoint, load_checkpoint, load_into_plain_model, saved_vocab_size  # noqa: E402
 from training.cli import fail  # noqa: E402
-from training.errors import UserError  # noqa: E402
 from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from model.attention import build_attention
+from model.attention.masks import cu_seqlens_from_doc_ids
 from model.config import AttentionConfig
 
 BACKENDS = ["naive", "hybrid", "sdpa"]
@@ -90,6 +91,14 @@ def test_strided_inputs_from_a_fused_projection():
         torch.testing.assert_close(attend(q, k, v).double(), ref, atol=2e-5, rtol=2e-5)
 
 
+def test_cu_seqlens_from_doc_ids_ends_documents_at_rows_too():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]], dtype=torch.int32)
+    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 5, 6, 7, 12]
+    assert max_seqlen == 5
+    assert cu_seqlens_from_doc_ids(torch.zeros(2, 4, dtype=torch.int32))[0].tolist() == [0, 4, 8]
+
+
 def test_flash_falls_back_to_sdpa_with_one_warning_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.warns(UserWarning, match="attention=flash cannot run"):
@@ -98,7 +107,7 @@ def test_flash_falls_back_to_sdpa_with_one_warning_on_cpu(monkeypatch):
 
 
 def test_flash_strict_fails_clearly_on_cpu(monkeypatch):
-    from training.errors import UserError
+    from errors import UserError
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(UserError, match="attention.strict"):

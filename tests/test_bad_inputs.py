@@ -8,8 +8,8 @@ import re
 import pytest
 
 from conftest import run_train, tiny_config
+from errors import UserError
 from training import loop
-from training.errors import UserError
 
 
 def corpus(tmp_path, content: bytes) -> str:

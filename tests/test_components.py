@@ -2,12 +2,12 @@
 import pytest
 import torch
 
+from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import AttentionConfig
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from training.config import OptimConfig
-from training.errors import UserError
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
 from training.optim import build_optimizer, lr_at
 from training.precision import resolve_device, resolve_dtype
@@ -130,6 +130,28 @@ def test_chunked_loss_equals_cross_entropy_with_gradients(chunk):
     want = F.cross_entropy((h @ w.T).view(-1, 50), y.view(-1))
     assert got.item() == pytest.approx(want.item(), rel=1e-12)
     assert torch.autograd.gradcheck(lambda h, w: lm_loss(h, w, y, chunk), (h, w))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused cross-entropy kernel's path needs a CUDA GPU"))])
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_loss_without_gradients_computes_only_the_loss(chunk, device):
+    """Under torch.no_grad (evaluation) the loss is the same, from one matmul per chunk instead of three."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model.loss import lm_loss
+
+    gen = torch.Generator().manual_seed(chunk)
+    h = torch.randn(2, 30, 8, generator=gen).to(device).requires_grad_()
+    w = torch.randn(50, 8, generator=gen).to(device).requires_grad_()
+    y = torch.randint(0, 50, (2, 30), generator=gen).to(device)
+    with FlopCounterMode(display=False) as training:
+        want = lm_loss(h, w, y, chunk)
+    with torch.no_grad(), FlopCounterMode(display=False) as evaluating:
+        got = lm_loss(h, w, y, chunk)
+    assert torch.equal(got, want.detach()) and not got.requires_grad
+    logits_flops = 2 * 60 * 8 * 50
+    assert (training.get_total_flops(), evaluating.get_total_flops()) == (3 * logits_flops, logits_flops)
 
 
 def test_model_compiles_with_no_graph_break():

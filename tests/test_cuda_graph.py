@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from errors import UserError
 from training.checkpoint import list_checkpoints, load_checkpoint
 from training.config import validate
 from training.cuda_graph import StaticBatches, use_cuda_graph
-from training.errors import UserError
 from training.loop import train
 from training.optim import clip_in_step, make_capturable, plain_state_dict, set_lr
 

@@ -11,12 +11,12 @@ import torch
 from omegaconf import OmegaConf
 
 from data.config import DataConfig
-from data.loader import BatchLoader, cu_seqlens_from_doc_ids
+from data.loader import BatchLoader
 from data.manifest import write_manifest
 from data.prepare import prepare, prepare_from_config, prepared, text_pieces
 from data.sources import EMBEDDED
 from data.tokenizers import CharTokenizer, GPT2Tokenizer, gpt2_encoding, load_tokenizer
-from training.errors import UserError
+from errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -343,14 +343,6 @@ def test_document_ids_count_end_of_text_tokens_before_each_position(tmp_path):
     x, _, doc_ids = loader.next_batch()
     assert x[0].tolist() == [1, 2, eot, 3, eot, 4, 5, 6, eot, 7]
     assert doc_ids.dtype == torch.int32 and doc_ids[0].tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
-
-
-def test_cu_seqlens_from_doc_ids_ends_documents_at_rows_too():
-    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]], dtype=torch.int32)
-    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
-    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 3, 5, 6, 7, 12]
-    assert max_seqlen == 5
-    assert cu_seqlens_from_doc_ids(torch.zeros(2, 4, dtype=torch.int32))[0].tolist() == [0, 4, 8]
 
 
 def test_uint32_tokens_for_vocabularies_over_65536(tmp_path):

@@ -137,7 +137,7 @@ def test_torchrun_with_several_processes_but_no_distributed_kind_says_to_add_it(
 
 def test_more_ranks_than_gpus_says_to_lower_nproc_per_node(monkeypatch):
     from training import distributed
-    from training.errors import UserError
+    from errors import UserError
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 def twin_models(**model_kw):
     """The same GPT weights behind the flash and the sdpa backend."""
-    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=48, vocab_size=128, **model_kw)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=48, vocab_size=128, dropout=0.0, **model_kw)
     models = {}
     for name in ("flash", "sdpa"):
         attend, actual = build_attention(AttentionConfig(name=name, strict=True), DEVICE)

@@ -18,10 +18,13 @@ import pytest
 import torch
 
 from conftest import REPO, run_env, tiny_config
+from errors import UserError
+import training.run
+import training.step
 from training import loop
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from training.cli import exit_on_user_error
-from training.errors import UserError
+from training.errors import OutOfMemory, TrainingStopped
 
 VOLATILE = ("tokens_per_s", "elapsed_s")
 
@@ -213,7 +216,7 @@ def test_non_finite_losses_stop_the_run_without_saving_a_nan_model(tmp_path, dat
 
     monkeypatch.setattr(GPT, "forward", poisoned)
     cfg = tiny_config(data_cache, max_steps=30, log_interval=1, ckpt_interval=1, max_bad_steps=3, keep_checkpoints=50)
-    with pytest.raises(loop.TrainingStopped, match="not finite for 3 steps in a row.*step_0000006.pt"):
+    with pytest.raises(TrainingStopped, match="not finite for 3 steps in a row.*step_0000006.pt"):
         loop.train(cfg, tmp_path)
     saved = list_checkpoints(tmp_path)
     assert saved[-1].name == "step_0000006.pt"
@@ -222,7 +225,7 @@ def test_non_finite_losses_stop_the_run_without_saving_a_nan_model(tmp_path, dat
 
 
 def test_out_of_memory_saves_the_last_finished_step_and_advises(tmp_path, data_cache, monkeypatch, capsys):
-    real_step = loop.train_step
+    real_step = training.step.train_step
     calls = {"n": 0}
 
     def step_then_oom(*args, **kwargs):
@@ -231,7 +234,7 @@ def test_out_of_memory_saves_the_last_finished_step_and_advises(tmp_path, data_c
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "train_step", step_then_oom)
+    monkeypatch.setattr(training.run, "train_step", step_then_oom)  # what setup_run binds into the run's step
     cfg = tiny_config(data_cache, max_steps=20, ckpt_interval=100)
     with pytest.raises(SystemExit) as exited, exit_on_user_error():
         loop.train(cfg, tmp_path)
@@ -280,7 +283,7 @@ def test_out_of_memory_mid_step_then_resume_matches_the_uninterrupted_run(tmp_pa
     step must carry the random state from before the failed step, or the resumed run drifts."""
     cfg = tiny_config(data_cache, max_steps=12, ckpt_interval=100, log_interval=1)
     loop.train(cfg, tmp_path / "full")
-    real_step = loop.train_step
+    real_step = training.step.train_step
     calls = {"n": 0}
 
     def oom_mid_forward(*args, **kwargs):
@@ -290,8 +293,8 @@ def test_out_of_memory_mid_step_then_resume_matches_the_uninterrupted_run(tmp_pa
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "train_step", oom_mid_forward)
-    with pytest.raises(loop.OutOfMemory):
+    monkeypatch.setattr(training.run, "train_step", oom_mid_forward)
+    with pytest.raises(OutOfMemory):
         loop.train(cfg, tmp_path / "oom")
     monkeypatch.undo()
     assert [p.name for p in list_checkpoints(tmp_path / "oom")] == ["step_0000006.pt"]
@@ -329,7 +332,7 @@ def test_ctrl_c_before_training_starts_exits_in_one_line(tmp_path, data_cache, m
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "prepare", interrupted)
+    monkeypatch.setattr(training.run, "prepare", interrupted)
     with pytest.raises(SystemExit) as exited, exit_on_user_error():
         loop.train(tiny_config(data_cache), tmp_path)
     assert exited.value.code == 128 + signal.SIGINT
@@ -363,7 +366,7 @@ def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_not_counted_as_bad():
         scaler = torch.amp.GradScaler("cpu", enabled=scaled, init_scale=2.0**16)
         blow_up = model.lm_head.weight.register_hook(lambda g: g * float("inf"))
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        loss, grad_norm, good = loop.train_step(model, model, optimizer, scaler, Loader(), t, cpu, torch.float32)
+        loss, grad_norm, good = training.step.train_step(model, model, optimizer, scaler, Loader(), t, cpu, torch.float32)
         blow_up.remove()
         assert torch.isfinite(loss) and not torch.isfinite(grad_norm)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing changed

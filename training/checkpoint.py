@@ -8,6 +8,9 @@ Under FSDP (``trainer.distributed=fsdp``) it is a folder ``step_XXXXXXX/`` inste
 writes its shards of the model and optimizer with ``torch.distributed.checkpoint`` (DCP) and rank 0
 adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
 FSDP with any number of ranks.
+
+A run saves through its ``Checkpointer`` and starts with ``restore`` (``trainer.resume``), which
+refuses a checkpoint of another model shape or layout.
 """
 import os
 import re
@@ -21,11 +24,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from errors import UserError
+from model.config import ModelConfig
 from training import distributed
-from training.errors import UserError
+from training.optim import plain_state_dict
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"
+# Model options a checkpoint must share with the run that resumes it.
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "mlp")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -194,3 +201,91 @@ def restore_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Checkpointer:
+    """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config and
+    wandb id. Whole-model files come from rank 0; under FSDP every rank writes its shards."""
+
+    def __init__(self, run_dir: Path, keep: int, model, optimizer, scaler, ranks: distributed.Ranks,
+                 device: torch.device, config: dict, wandb_id: Optional[str]):
+        self.run_dir, self.keep, self.ranks, self.device = run_dir, keep, ranks, device
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.config, self.wandb_id = config, wandb_id
+
+    def save(self, step: int, loader_state: dict, rng: Optional[dict] = None) -> Optional[Path]:
+        """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing."""
+        if not (self.ranks.is_main or self.ranks.sharded):
+            return None  # a whole-model checkpoint is rank 0's alone
+        state = {
+            "step": step,
+            "vocab_size": self.model.cfg.vocab_size,
+            "scaler": self.scaler.state_dict(),
+            "loader": loader_state,
+            "rng": rng if rng is not None else rng_state(self.device),
+            "config": self.config,
+            "wandb_id": self.wandb_id,
+        }
+        if self.ranks.sharded:
+            return save_sharded_checkpoint(self.run_dir, step, self.model, self.optimizer, state, self.keep,
+                                           self.ranks.is_main)
+        state.update(model=self.model.state_dict(), optimizer=plain_state_dict(self.optimizer))
+        return save_checkpoint(self.run_dir, step, state, self.keep)
+
+
+def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device: torch.device,
+            ranks: distributed.Ranks) -> Tuple[int, Optional[str]]:
+    """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
+    if resume == "none":
+        old = list_checkpoints(run_dir) if ranks.is_main else []
+        if old:
+            print(f"trainer.resume=none: starting over, removing {len(old)} old checkpoint(s) in {checkpoint_dir(run_dir)}")
+            for path in old:
+                remove_checkpoint(path)
+        distributed.barrier()  # no rank may look for checkpoints while rank 0 removes them
+        return 0, None
+    if resume == "auto":
+        path, state = latest_checkpoint(run_dir)
+        if state is None:
+            return 0, None
+    else:
+        path, state = Path(resume), load_checkpoint(Path(resume))
+    check_compatible(path, state, model.cfg)
+    check_layout(path, state, ranks)
+    if state["sharded"]:
+        load_sharded_checkpoint(path, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    loader.load_state_dict(state["loader"])
+    restore_rng_state(state["rng"], device)
+    if ranks.is_main:
+        print(f"resuming from {path} (step {state['step']})")
+    return state["step"], state.get("wandb_id")
+
+
+def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
+    """A checkpoint resumes only a model of the same shape and vocabulary."""
+    saved = state.get("config", {}).get("model", {})
+    for key in SHAPE_KEYS:
+        mine = getattr(model_cfg, key)
+        theirs = saved.get(key, mine) if key != "vocab_size" else saved_vocab_size(state)
+        if theirs != mine:
+            raise UserError(
+                f"checkpoint {path} was made with model.{key}={theirs} but this run has model.{key}={mine}; "
+                f"resume with the same model and data settings, or start fresh with trainer.resume=none "
+                f"(or another hydra.run.dir)"
+            )
+
+
+def check_layout(path: Path, state: dict, ranks: distributed.Ranks) -> None:
+    """Sharded (FSDP) checkpoints resume under FSDP only, whole-model ones under none or ddp only."""
+    if state["sharded"] == ranks.sharded:
+        return
+    if state["sharded"]:
+        raise UserError(f"checkpoint {path} is sharded (saved with trainer.distributed=fsdp); resume it under "
+                        "torchrun with trainer.distributed=fsdp (any number of ranks), or start fresh with "
+                        "trainer.resume=none")
+    raise UserError(f"checkpoint {path} holds the whole model (saved with trainer.distributed=none or ddp); "
+                    "resume it with trainer.distributed=none or ddp, or start fresh with trainer.resume=none")

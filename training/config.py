@@ -1,18 +1,22 @@
 """The typed schema of a run and its registration with Hydra.
 
-Every YAML file under configs/ is merged onto these dataclasses, so a misspelt key or a value of the
-wrong type fails when the config is composed. ``validate`` checks the values that types cannot
-(choices, ranges, combinations) and raises UserError naming the option.
+The dataclasses hold every default: what `python train.py` runs with the default choices of
+configs/train.yaml (model=small, attention=sdpa, data=shakespeare, optim=adamw, trainer=default,
+logger=default). A YAML file under configs/ holds only what its choice changes, and is merged onto
+these dataclasses, so a misspelt key or a value of the wrong type fails when the config is composed.
+``validate`` checks the values that types cannot (choices, ranges, combinations) and raises
+UserError naming the option.
 """
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from data.config import DataConfig
-from model.config import AttentionConfig, ModelConfig, validate_attention, validate_model
+from data.config import DataConfig, validate as validate_data
+from errors import UserError, check_choice, check_positive
+from model.attention import validate_attention
+from model.config import AttentionConfig, ModelConfig, validate_model
 from training.distributed import KINDS
-from training.errors import UserError
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -23,8 +27,8 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
-    min_lr: float = 6e-5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings decay-free
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -39,14 +43,14 @@ class TrainerConfig:
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
-    max_steps: int = 2000
+    max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
     grad_clip: float = 1.0  # 0 disables clipping
-    eval_interval: int = 250
+    eval_interval: int = 100
     eval_iters: int = 20
     log_interval: int = 10
-    ckpt_interval: int = 500
+    ckpt_interval: int = 250
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | none | <path to a checkpoint file>
     seed: int = 1337
@@ -83,49 +87,37 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def _choice(option: str, value: str, choices) -> None:
-    if value not in choices:
-        raise UserError(f"{option}={value!r} is not one of {', '.join(choices)}")
-
-
-def _positive(option: str, value, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise UserError(f"{option}={value} must be {'>= 0' if allow_zero else 'a positive number'}")
-
-
 def validate(cfg: TrainConfig) -> None:
     """Check every value the type system cannot; raise UserError naming the option and the fix."""
-    from data.config import validate as validate_data
-
     validate_model(cfg.model)
     validate_attention(cfg.attention)
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
-    _choice("optim.schedule", o.schedule, SCHEDULES)
-    _positive("optim.lr", o.lr)
-    _positive("optim.min_lr", o.min_lr, allow_zero=True)
-    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    check_choice("optim.schedule", o.schedule, SCHEDULES)
+    check_positive("optim.lr", o.lr)
+    check_positive("optim.min_lr", o.min_lr, allow_zero=True)
+    check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    check_positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise UserError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
     if not 0.0 < o.decay_fraction <= 1.0:
         raise UserError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
-    _choice("trainer.device", t.device, DEVICES)
-    _choice("trainer.dtype", t.dtype, DTYPES)
-    _choice("trainer.distributed", t.distributed, KINDS)
+    check_choice("trainer.device", t.device, DEVICES)
+    check_choice("trainer.dtype", t.dtype, DTYPES)
+    check_choice("trainer.distributed", t.distributed, KINDS)
     if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int) or t.batch_size <= 0):
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
     if not (isinstance(t.cuda_graph, bool) or t.cuda_graph == "auto"):
         raise UserError(f"trainer.cuda_graph={t.cuda_graph!r} must be true, false or auto")
     if t.vram_budget_gb is not None:
-        _positive("trainer.vram_budget_gb", t.vram_budget_gb)
+        check_positive("trainer.vram_budget_gb", t.vram_budget_gb)
     for key in ("max_steps", "grad_accum", "eval_interval", "eval_iters",
                 "log_interval", "ckpt_interval", "keep_checkpoints", "max_bad_steps"):
-        _positive(f"trainer.{key}", getattr(t, key))
-    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
-    _positive("trainer.sample_tokens", t.sample_tokens, allow_zero=True)
-    _positive("trainer.profile_steps", t.profile_steps, allow_zero=True)
+        check_positive(f"trainer.{key}", getattr(t, key))
+    check_positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
+    check_positive("trainer.sample_tokens", t.sample_tokens, allow_zero=True)
+    check_positive("trainer.profile_steps", t.profile_steps, allow_zero=True)
     if t.peak_tflops is not None:
-        _positive("trainer.peak_tflops", t.peak_tflops)
-    _choice("logger", cfg.logger.name, LOGGERS)
-    _choice("logger.mode", cfg.logger.mode, WANDB_MODES)
+        check_positive("trainer.peak_tflops", t.peak_tflops)
+    check_choice("logger", cfg.logger.name, LOGGERS)
+    check_choice("logger.mode", cfg.logger.mode, WANDB_MODES)

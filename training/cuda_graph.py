@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from training.errors import UserError
+from errors import UserError
 from training.optim import make_capturable
 
 WARMUP_STEPS = 2  # ordinary steps before the capture: compile, autotune, create AdamW's state

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training.errors import UserError
+from errors import UserError
 
 KINDS = ("none", "ddp", "fsdp")
 

@@ -113,7 +113,7 @@ def longest_sequence(model_cfg: ModelConfig, attn_cfg: AttentionConfig, device, 
 
 def auto_batch_size(model_cfg: ModelConfig, attn_cfg: AttentionConfig, device, dtype) -> int:
     """trainer.batch_size=auto: 90% of the largest micro-batch that fits (headroom for evaluation)."""
-    from training.errors import UserError
+    from errors import UserError
 
     if device.type != "cuda":
         raise UserError("trainer.batch_size=auto measures GPU memory and needs a CUDA GPU; give a number instead")

@@ -11,8 +11,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from errors import UserError
 from training.config import LoggerConfig
-from training.errors import UserError
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

@@ -5,6 +5,7 @@ per token follow the PaLM appendix: 6 N for the weight matmuls (forward + backwa
 12 L d T for attention scores and their weighting (the full T x T product, the usual convention,
 even though causal kernels skip half of it).
 """
+import contextlib
 import time
 from typing import Optional
 
@@ -97,9 +98,14 @@ class ThroughputMeter:
     def tick(self, tokens: int) -> None:
         self.tokens += tokens
 
-    def exclude(self, seconds: float) -> None:
-        """Leave out time spent on other work (evaluation, checkpoints) from the current window."""
-        self.start += seconds
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent in the block (evaluation, checkpoints) out of the current window."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - started
 
     def report(self) -> dict:
         """{'tokens_per_s', 'mfu', 'peak_vram_mb'} for the window, then start a new window."""

@@ -3,7 +3,7 @@ import contextlib
 
 import torch
 
-from training.errors import UserError
+from errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,26 +1,43 @@
-"""Attention backends: one file each, one registry.
+"""Attention backends: one file each, one table (``BACKENDS``).
 
-Every backend is a function ``attend(q, k, v, doc_ids=None, window=None) -> o`` with
-q: (B, T, H, D), k and v: (B, T, H_kv, D) (grouped-query attention when H_kv < H), causal, scaled
-by 1/sqrt(D), and o: (B, T, H, D). ``build_attention`` turns an AttentionConfig into such a function
-and says which backend actually runs.
+Every backend is a function ``attend(q, k, v, doc_ids=None, **options) -> o`` with q: (B, T, H, D),
+k and v: (B, T, H_kv, D) (grouped-query attention when H_kv < H), doc_ids: (B, T) document index
+or None; causal, scaled by 1/sqrt(D); o: (B, T, H, D). It takes exactly the keyword options its
+row lists: AttentionConfig keys of that name are bound once by ``build_attention``; the others are
+passed by the caller at each call, only when they are in use.
 
-A backend may also offer ``attend.packed(qkv, n_head, doc_ids=None) -> o`` taking q, k and v side by
-side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them; the model uses it when
-nothing (RoPE) changes q and k after the projection. flash does: its backward then returns qkv's
-gradient as one tensor instead of three that autograd concatenates.
+A backend may also offer a packed variant ``attend_packed(qkv, n_head, doc_ids=None, **options) -> o``
+taking q, k and v side by side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them;
+the model uses it when nothing (RoPE) changes q and k after the projection. flash does: its
+backward then returns qkv's gradient as one tensor instead of three that autograd concatenates.
+
+Adding a backend: its file here, one row in ``BACKENDS``, and configs/attention/<name>.yaml.
 """
+import dataclasses
 import functools
+import importlib
+import os
 import warnings
-from typing import Callable, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from model.attention import hybrid, naive, sdpa
+from errors import UserError, check_positive
 from model.config import AttentionConfig
-from training.errors import UserError
 
-Attend = Callable[..., torch.Tensor]
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of the table. Functions are named ``"module:function"`` and imported when the backend
+    is built, so one whose dependencies are missing (triton) costs nothing until it is chosen."""
+
+    name: str
+    attend: str  # attend(q, k, v, doc_ids=None, **options) -> o
+    packed: Optional[str] = None  # attend_packed(qkv, n_head, doc_ids=None, **options) -> o
+    options: Tuple[str, ...] = ()  # the keyword options both take
+    unavailable: Optional[Callable[[torch.device], str]] = None  # why it cannot run on a device; "" when it can
+    fallback: Optional[str] = None  # what runs instead where it cannot (a warning; attention.strict=true fails)
 
 
 def flash_unavailable_reason(device: torch.device) -> str:
@@ -32,39 +49,96 @@ def flash_unavailable_reason(device: torch.device) -> str:
     ok, reason = flash_attn_available()
     if not ok:
         return reason
-    if device.type != "cuda" and not _interpreting():
-        return f"the kernel runs on CUDA GPUs and this run uses {device.type}"
+    if device.type != "cuda":
+        return "" if os.environ.get("TRITON_INTERPRET") == "1" else f"the kernel runs on CUDA GPUs and this run uses {device.type}"
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0) and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3):
+        return (f"triton {triton.__version__} does not compile for compute capability {major}.{minor} "
+                "(Turing and older; it needs 8.0, Ampere, or newer)")
     return ""
 
 
-def _interpreting() -> bool:
-    import os
+BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
+    Backend("naive", "model.attention.naive:attend", options=("window",)),
+    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size")),
+    Backend("sdpa", "model.attention.sdpa:attend", options=("window",)),
+    Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
+            options=("window",), unavailable=flash_unavailable_reason, fallback="sdpa"),
+)}
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# AttentionConfig keys that change what attention computes, with the value that turns them off: set
+# to anything else, they need a backend that takes them. Other keys a backend takes (hybrid's
+# block_size) only tune it, and the backends that do not take them ignore them.
+FEATURES = {"window": None}
 
 
-def build_attention(cfg: AttentionConfig, device: torch.device) -> Tuple[Attend, str]:
-    """The backend function for ``cfg`` on ``device`` and the name of the backend that will run.
+@dataclass(frozen=True)
+class Attention:
+    """A backend bound to its configured options: ``attention(q, k, v, doc_ids=None, **options)``."""
 
-    ``attention=flash`` on a machine where the kernel cannot run falls back to sdpa with one
-    warning, or fails when ``attention.strict=true``.
+    name: str  # the backend that runs (after any fallback)
+    attend: Callable
+    packed: Optional[Callable] = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None, **options) -> torch.Tensor:
+        return self.attend(q, k, v, doc_ids=doc_ids, **options)
+
+
+def unavailable_reason(name: str, device: torch.device) -> str:
+    """Why backend ``name`` cannot run on ``device``; empty when it can."""
+    backend = BACKENDS[name]
+    return backend.unavailable(device) if backend.unavailable else ""
+
+
+def validate_attention(cfg: AttentionConfig) -> None:
+    """Reject an unknown backend, bad values, and a feature the chosen backend cannot compute."""
+    if cfg.name not in BACKENDS:
+        raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    check_positive("attention.block_size", cfg.block_size, kind="integer")
+    if cfg.window is not None and cfg.window <= 0:
+        raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")
+    check_options(cfg.name, features_in_use(cfg))
+
+
+def features_in_use(cfg: AttentionConfig) -> Dict[str, str]:
+    """{option: the setting that asks for it} for the FEATURES ``cfg`` turns on."""
+    return {key: f"attention.{key}={getattr(cfg, key)}" for key, off in FEATURES.items() if getattr(cfg, key) != off}
+
+
+def check_options(name: str, wanted: Dict[str, str]) -> None:
+    """Fail in one line when backend ``name`` does not take every option in ``wanted`` ({option: setting})."""
+    missing = [setting for option, setting in wanted.items() if option not in BACKENDS[name].options]
+    if missing:
+        able = [b.name for b in BACKENDS.values() if set(wanted) <= set(b.options)]
+        raise UserError(f"attention={name} cannot run with {missing[0]}; backends that can: {', '.join(able) or 'none'}")
+
+
+def build_attention(cfg: AttentionConfig, device: torch.device) -> Tuple[Attention, str]:
+    """The backend ``cfg`` names, bound to its options, for ``device``, and the name of the one that runs.
+
+    A backend that cannot run here falls back (flash: to sdpa) with one warning, or fails when
+    ``attention.strict=true`` or it has no fallback.
     """
-    if cfg.name == "naive":
-        return functools.partial(naive.attend, window=cfg.window), "naive"
-    if cfg.name == "hybrid":
-        return functools.partial(hybrid.attend, window=cfg.window, block_size=cfg.block_size), "hybrid"
-    if cfg.name == "sdpa":
-        return functools.partial(sdpa.attend, window=cfg.window), "sdpa"
-    if cfg.name == "flash":
-        reason = flash_unavailable_reason(device)
-        if not reason:
-            from model.attention import flash
+    if cfg.name not in BACKENDS:
+        raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    name, reason = cfg.name, unavailable_reason(cfg.name, device)
+    if reason:
+        fallback = BACKENDS[name].fallback
+        if cfg.strict or fallback is None:
+            way_out = f"; drop attention.strict=true to fall back to {fallback}" if fallback else ""
+            raise UserError(f"attention={name} cannot run: {reason}{way_out}")
+        warnings.warn(f"attention={name} cannot run ({reason}); using attention={fallback} instead", stacklevel=2)
+        name = fallback
+    check_options(name, features_in_use(cfg))
+    backend = BACKENDS[name]
+    config_keys = {f.name for f in dataclasses.fields(AttentionConfig)}
+    bound = {key: getattr(cfg, key) for key in backend.options if key in config_keys}
+    packed = functools.partial(_load(backend.packed), **bound) if backend.packed else None
+    return Attention(name, functools.partial(_load(backend.attend), **bound), packed), name
 
-            attend = functools.partial(flash.attend, window=cfg.window)
-            attend.packed = functools.partial(flash.attend_packed, window=cfg.window)
-            return attend, "flash"
-        if cfg.strict:
-            raise UserError(f"attention=flash cannot run: {reason}; drop attention.strict=true to fall back to sdpa")
-        warnings.warn(f"attention=flash cannot run ({reason}); using attention=sdpa instead", stacklevel=2)
-        return functools.partial(sdpa.attend, window=cfg.window), "sdpa"
-    raise UserError(f"attention={cfg.name!r} is not a backend; choose one of naive, hybrid, sdpa, flash")
+
+def _load(ref: str) -> Callable:
+    module, function = ref.split(":")
+    return getattr(importlib.import_module(module), function)

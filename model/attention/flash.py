@@ -3,8 +3,8 @@ from typing import Optional
 
 import torch
 
-from data.loader import cu_seqlens_from_doc_ids
 from kernels import flash_attn, flash_attn_qkvpacked
+from model.attention.masks import cu_seqlens_from_doc_ids
 
 
 def attend(

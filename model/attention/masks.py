@@ -1,10 +1,11 @@
-"""Boolean attention masks shared by the backends that materialise scores (naive, hybrid, sdpa).
+"""Which keys each query may attend to, in the two forms the backends take.
 
-A mask is True where a query may attend to a key. Three rules combine: causality (key position <=
-query position), an optional sliding window (query - key < window) and optional document
-boundaries (query and key carry the same document id).
+A boolean mask (naive, hybrid, sdpa) is True where a query may attend to a key. Three rules
+combine: causality (key position <= query position), an optional sliding window (query - key <
+window) and optional document boundaries (query and key carry the same document id). A kernel with
+a packed-sequence path (flash) takes the document boundaries as ``cu_seqlens`` instead.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -49,3 +50,17 @@ def ungroup_output(o: torch.Tensor) -> torch.Tensor:
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """(B, T, H, D) -> (B, H, 1, T, D): keys/values laid out to broadcast over query groups."""
     return x.permute(0, 2, 1, 3).unsqueeze(2)
+
+
+def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """doc_ids: (B, T) non-decreasing per row. Returns (cu_seqlens, max_seqlen) over the flattened
+    (B * T) sequence, where a new row also starts a document: cu_seqlens (N + 1,) int32 on doc_ids'
+    device holds the start of each of the N documents and then B * T. max_seqlen syncs with the device.
+    """
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)  # (B, T)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    begin = torch.nonzero(starts.flatten()).flatten()
+    end = torch.tensor([B * T], device=doc_ids.device)
+    cu_seqlens = torch.cat([begin, end]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

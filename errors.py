@@ -1,0 +1,25 @@
+"""One exception type for mistakes a user can fix, and the one-line checks every layer makes.
+
+Anything raised as ``UserError`` reaches the user as a single line that names the option and the
+fix (train.py and the scripts catch it and exit with status 2); everything else is a bug and keeps
+its traceback. This is the bottom layer: kernels/, data/, model/ and training/ may all import it,
+and it imports nothing of theirs.
+"""
+from typing import Iterable
+
+
+class UserError(Exception):
+    """A wrong option, input or environment, with a message that says what to do."""
+
+
+def check_choice(option: str, value, choices: Iterable[str]) -> None:
+    """``option=value`` must be one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise UserError(f"{option}={value!r} is not one of {', '.join(choices)}")
+
+
+def check_positive(option: str, value, allow_zero: bool = False, kind: str = "number") -> None:
+    """``option=value`` must be > 0 (or >= 0 with ``allow_zero``); ``kind`` names it in the message."""
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{option}={value} must be {'>= 0' if allow_zero else f'a positive {kind}'}")

@@ -1,0 +1,106 @@
+"""The attention backend table: configs, README and validation follow it; options reach the backends."""
+import re
+import warnings
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from errors import UserError
+from model import attention
+from model.attention import BACKENDS, Backend, build_attention, validate_attention
+from model.config import AttentionConfig
+from training.config import register_configs
+
+CPU = torch.device("cpu")
+
+
+def test_every_backend_has_a_config_and_every_config_a_backend():
+    files = sorted(p.stem for p in (REPO / "configs" / "attention").glob("*.yaml"))
+    assert files == sorted(BACKENDS)
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        for name in files:
+            assert OmegaConf.to_object(compose(config_name="train", overrides=[f"attention={name}"])).attention.name == name
+
+
+def test_readme_lists_every_backend():
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `attention=`"))
+    choices = row.split("|")[2]
+    assert sorted(re.findall(r"`([\w-]+)`", choices)) == sorted(BACKENDS)
+
+
+def recording_attend(q, k, v, doc_ids=None, window=None, gate=None):
+    """A backend for these tests: returns q and says what it was given."""
+    recording_attend.calls.append({"window": window, "gate": gate})
+    return q
+
+
+recording_attend.calls = []
+
+
+@pytest.fixture
+def recording_backend(monkeypatch):
+    """``recording`` (takes window and a per-call gate) and ``plain`` (takes nothing) in the table."""
+    table = dict(BACKENDS)
+    table["recording"] = Backend("recording", f"{__name__}:recording_attend", options=("window", "gate"))
+    table["plain"] = Backend("plain", f"{__name__}:recording_attend")
+    monkeypatch.setattr(attention, "BACKENDS", table)
+    recording_attend.calls.clear()
+
+
+def test_config_options_are_bound_and_call_options_pass_through(recording_backend):
+    attend, name = build_attention(AttentionConfig(name="recording", window=5), CPU)
+    q = torch.randn(1, 4, 2, 8)
+    assert name == "recording" and attend.packed is None
+    assert attend(q, q, q) is q and attend(q, q, q, gate="g") is q
+    assert recording_attend.calls == [{"window": 5, "gate": None}, {"window": 5, "gate": "g"}]
+
+
+def test_a_feature_the_backend_cannot_compute_fails_when_the_config_is_checked(recording_backend):
+    validate_attention(AttentionConfig(name="plain"))  # no window: fine
+    with pytest.raises(UserError, match=r"^attention=plain cannot run with attention.window=8; backends that can: "
+                                        r"naive, hybrid, sdpa, flash, recording$"):
+        validate_attention(AttentionConfig(name="plain", window=8))
+    with pytest.raises(UserError, match="attention=plain cannot run with attention.window=8"):
+        build_attention(AttentionConfig(name="plain", window=8), CPU)
+
+
+def test_a_tuning_key_is_ignored_by_the_backends_that_do_not_take_it(recording_backend):
+    validate_attention(AttentionConfig(name="plain", block_size=16))
+    attend, _ = build_attention(AttentionConfig(name="plain", block_size=16), CPU)
+    q = torch.randn(1, 4, 2, 8)
+    assert attend(q, q, q) is q
+
+
+def test_a_backend_that_cannot_run_and_has_no_fallback_fails(monkeypatch):
+    table = dict(BACKENDS, plain=Backend("plain", f"{__name__}:recording_attend", unavailable=lambda device: "no such chip"))
+    monkeypatch.setattr(attention, "BACKENDS", table)
+    with pytest.raises(UserError, match=r"^attention=plain cannot run: no such chip$"):
+        build_attention(AttentionConfig(name="plain"), CPU)
+
+
+def test_the_packed_variant_is_there_exactly_when_the_table_names_one():
+    for name in BACKENDS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a backend that cannot run here falls back
+            attend, ran = build_attention(AttentionConfig(name=name), CPU)
+        assert (attend.packed is not None) == (BACKENDS[ran].packed is not None), name
+
+
+@pytest.mark.parametrize("capability,runs", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_flash_says_why_an_old_gpu_cannot_run_it(monkeypatch, capability, runs):
+    """Triton 3.3 dropped Turing (sm75): on a T4 flash falls back and says why."""
+    import triton
+
+    import kernels
+
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: (True, "a GPU"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    reason = attention.unavailable_reason("flash", torch.device("cuda", 0))
+    assert (reason == "") == runs
+    if not runs:
+        assert reason == "triton 3.6.0 does not compile for compute capability 7.5 (Turing and older; it needs 8.0, Ampere, or newer)"
