@@ -124,12 +124,12 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
 
 
 def chosen_configs() -> dict:
-    """The config each autotuned kernel picked, per autotune key."""
-    from kernels.flash_attention import backward, forward
+    """The config each autotuned kernel picked, per autotune key (kernel kind first)."""
+    from kernels.flash_attention.launch import LAUNCHER
 
     out = {}
-    for kernel in (forward.FWD, backward.DKDV, backward.DQ):
-        out[kernel.kind] = {str(k): str(v) for k, v in getattr(kernel.tuned, "cache", {}).items()}
+    for key, cfg in LAUNCHER.tuned.items():
+        out.setdefault(key[0], {})[str(key[1:])] = str(cfg)
     return out
 
 
@@ -167,7 +167,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dtype": "bfloat16",
         "causal": True,
-        "autotune": launch.AUTOTUNE,
+        "autotune": launch.LAUNCHER.autotune,
         "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
     }
     rows = []

@@ -46,10 +46,9 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @pytest.fixture(autouse=True)
 def _no_autotune_by_default(monkeypatch):
-    """Launch each kernel's first fitting config (bounded compile time) unless NANOFLASH_AUTOTUNE
-    is set; tests of the tuned path turn autotuning on themselves."""
-    if "NANOFLASH_AUTOTUNE" not in os.environ:
-        monkeypatch.setattr(launch, "AUTOTUNE", False)
+    """Launch each kernel's first fitting config (bounded compile time); tests of the tuned path
+    turn autotuning on themselves."""
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +222,7 @@ def test_flash_matches_reference_cuda(case):
 @pytest.mark.parametrize("T", [1000, 2048])
 def test_autotuned_path_cuda(monkeypatch, T, D):
     """The autotuned launch (what training and the benchmark use) is correct too."""
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", True)
     check_case(Case(2, T, 8, 2, D, BF16))
 
 
@@ -232,28 +231,6 @@ def test_host_integer_helpers_match_triton():
 
     assert all(launch.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
     assert all(launch.ceil_div(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in (1, 16, 64, 128))
-
-
-def test_launch_key_separates_what_triton_specialises_on():
-    """The launch cache reuses a compiled kernel only for arguments Triton would compile the same."""
-    from kernels.flash_attention.backward import DQ
-    from kernels.flash_attention.forward import FWD
-
-    buf = torch.zeros(64)
-    pointers, ints, cpu = dict(Q=buf[:16], CU_SEQLENS=None), dict(T=16, H=2, IS_CAUSAL=True), torch.device("cpu")
-    key = launch.launch_key(FWD, pointers, ints, cpu, True)
-    assert key == launch.launch_key(FWD, dict(pointers, Q=buf[16:32]), ints, cpu, True)  # another aligned tensor
-    others = [
-        (FWD, dict(pointers, Q=buf[1:17]), ints, cpu, True),  # pointer not 16-byte aligned
-        (FWD, dict(pointers, Q=buf[:16].half()), ints, cpu, True),
-        (FWD, dict(pointers, CU_SEQLENS=buf.int()), ints, cpu, True),
-        (FWD, pointers, dict(ints, T=17), cpu, True),
-        (FWD, pointers, dict(ints, IS_CAUSAL=False), cpu, True),
-        (FWD, pointers, ints, torch.device("cuda", 1), True),
-        (FWD, pointers, ints, cpu, False),  # autotuning off picks another config
-        (DQ, pointers, ints, cpu, True),
-    ]
-    assert all(launch.launch_key(*other) != key for other in others)
 
 
 class _RecordingBinary:
@@ -266,30 +243,40 @@ class _RecordingBinary:
         return lambda *args: self.calls.append((grid, args))
 
 
-class _EveryKeyCompiled(dict):
-    """A launch cache that already holds ``binary`` (with a fixed config) for every launch key."""
+class _RecordingJit:
+    """Stands in for a kernel's JIT function: ``jit[grid](**kwargs)`` records the launch as the
+    compiled kernel would receive it (every argument, in signature order) and returns ``binary``."""
 
-    def __init__(self, binary):
-        super().__init__()
+    def __init__(self, arg_names, binary):
+        self.arg_names = arg_names
         self.binary = binary
 
-    def get(self, key, default=None):
-        return self.binary, configs.TileConfig(32, 16, 4, 1)
+    def __getitem__(self, grid):
+        def run(num_warps, num_stages, **kwargs):
+            assert set(kwargs) == set(self.arg_names)
+            self.binary.calls.append((grid, tuple(kwargs[name] for name in self.arg_names)))
+            return self.binary
+
+        return run
 
 
 def _planned_and_built_launches(monkeypatch, run):
     """What the kernels receive for ``run(tensors)`` on a second set of tensors: (launches replayed
     from the plans recorded by a first call, launches built from scratch for the same call)."""
+    from kernels.flash_attention import backward
+
     binary = _RecordingBinary()
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
-    monkeypatch.setattr(launch, "_COMPILED", _EveryKeyCompiled(binary))
-    monkeypatch.setattr(launch, "_PLANS", {})
+    for module, name in ((forward, "FWD"), (backward, "DQ"), (backward, "DKDV")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, dataclasses.replace(kernel, jit=_RecordingJit(kernel.jit.arg_names, binary)))
+    monkeypatch.setattr(launch.LAUNCHER, "replay", True)  # off under the interpreter
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
     run(0)
-    n_plans = len(launch._PLANS)
+    n_plans = len(launch.LAUNCHER.plans)
     binary.calls.clear()
     run(1)
     planned = list(binary.calls)
-    launch._PLANS.clear()
+    launch.LAUNCHER.plans.clear()
     binary.calls.clear()
     run(1)
     assert n_plans == len(planned) == len(binary.calls) > 0
@@ -331,44 +318,44 @@ def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse):
             assert inputs and all(planned_args[i] is built_args[i] for i in inputs)
 
 
-def test_launch_plan_key_separates_what_the_arguments_are_computed_from(monkeypatch):
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
+def test_launch_plan_key_separates_what_the_arguments_are_computed_from():
+    launcher = launch.Launcher(autotune=True, replay=True)
     buf = torch.zeros(64)
     pointers = (buf[:16], None)
-    key = launch.plan_key("fwd", pointers, (2, 8), 0.125, True)
-    assert key == launch.plan_key("fwd", (buf[16:32], None), (2, 8), 0.125, True)
-    assert launch.plan_key("fwd", (buf[1:17], None), (2, 8), 0.125, True) is None  # misaligned
+    key = launcher.plan_key("fwd", pointers, (2, 8), 0.125, True)
+    assert key == launcher.plan_key("fwd", (buf[16:32], None), (2, 8), 0.125, True)
+    assert launcher.plan_key("fwd", (buf[1:17], None), (2, 8), 0.125, True) is None  # misaligned
     others = [
-        launch.plan_key("dq", pointers, (2, 8), 0.125, True),
-        launch.plan_key("fwd", (buf[:16].half(), None), (2, 8), 0.125, True),
-        launch.plan_key("fwd", (buf[:16], buf.int()), (2, 8), 0.125, True),
-        launch.plan_key("fwd", pointers, (2, 9), 0.125, True),
-        launch.plan_key("fwd", pointers, (2, 8), 0.1, True),
+        launcher.plan_key("dq", pointers, (2, 8), 0.125, True),
+        launcher.plan_key("fwd", (buf[:16].half(), None), (2, 8), 0.125, True),
+        launcher.plan_key("fwd", (buf[:16], buf.int()), (2, 8), 0.125, True),
+        launcher.plan_key("fwd", pointers, (2, 9), 0.125, True),
+        launcher.plan_key("fwd", pointers, (2, 8), 0.1, True),
+        launch.Launcher(autotune=False, replay=True).plan_key("fwd", pointers, (2, 8), 0.125, True),
     ]
     assert key not in others
-    monkeypatch.setattr(launch, "AUTOTUNE", not launch.AUTOTUNE)
-    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) != key
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
-    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) is None
+    assert launch.Launcher(autotune=True, replay=False).plan_key("fwd", pointers, (2, 8), 0.125, True) is None
 
 
 @gpu
 @pytest.mark.gpu
-def test_launch_cache_gives_misaligned_inputs_their_own_binary_cuda():
+def test_misaligned_inputs_never_replay_an_aligned_plan_cuda():
     """Same shapes and strides, 16-byte aligned and then not: the binary compiled for the first
-    (which may assume aligned pointers) must not run the second."""
+    (which may assume aligned pointers) must not run the second; Triton's own launch does."""
     aligned = Case(2, 200, 4, 2, 64, BF16)
     check_case(aligned)
-    known = set(launch._COMPILED)
+    check_case(aligned)
+    known = dict(launch.LAUNCHER.plans)
+    assert known, "aligned calls recorded no plan"
     check_case(dataclasses.replace(aligned, offset=1))
-    assert set(launch._COMPILED) - known, "misaligned inputs reused the aligned inputs' binaries"
+    assert launch.LAUNCHER.plans == known, "misaligned inputs recorded or replaced a plan"
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuned", [False, True])
-def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
-    monkeypatch.setattr(launch, "AUTOTUNE", tuned)
+def test_launch_plans_match_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", tuned)
     q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
 
     def run():
@@ -376,13 +363,13 @@ def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned
         o = flash_attn(qg, kg, vg)
         return (o, *torch.autograd.grad(o, (qg, kg, vg), do))
 
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
     run()  # tunes (or compiles) and launches through Triton
-    run()  # fills the launch cache and records the plans
-    n_plans = len(launch._PLANS)
+    run()  # records the plans
+    n_plans = len(launch.LAUNCHER.plans)
     cached = run()  # replays the plans
     assert n_plans == 3
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
+    monkeypatch.setattr(launch.LAUNCHER, "replay", False)
     for a, b in zip(cached, run()):
         assert torch.equal(a, b)
 
@@ -593,19 +580,16 @@ def test_consumer_default_config_runs(monkeypatch):
     chosen = {kind: configs.filter_configs(kind, configs.candidate_configs(kind, "consumer"),
                                            configs.SMEM_CONSUMER, D, 2)[0]
               for kind in ("fwd", "dkdv", "dq")}
-    monkeypatch.setattr(launch, "AUTOTUNE", False)
-    monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
-    monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
-    monkeypatch.setattr(launch, "_PLANS", {})
+    _force_configs(monkeypatch, chosen)
     check_case(Case(1, 70, 2, 1, D, F16))
 
 
 def _force_configs(monkeypatch, chosen: dict) -> None:
-    """Launch ``chosen[kind]`` for each kernel kind, bypassing tuning and every cache."""
-    monkeypatch.setattr(launch, "AUTOTUNE", False)
+    """Launch ``chosen[kind]`` for each kernel kind, bypassing tuning and the recorded plans (plans
+    recorded with other configs must not answer)."""
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", False)
     monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
 
 
 def test_query_tiles_taller_than_key_tiles_in_the_backward(monkeypatch):

@@ -1,4 +1,4 @@
-"""Causal flash attention in Triton: forward, backward, custom op, reference, configs.
+"""Causal flash attention in Triton: forward, backward, torch.library ops, reference, configs.
 
 See ``function.flash_attn`` for the public interface and docs/KERNEL.md for design and numbers.
 """

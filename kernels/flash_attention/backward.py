@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .configs import make_pruner, triton_configs
 from .forward import LOG2E, _dot, _load_rows, seq_layout
-from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
+from .launch import LAUNCHER, Kernel, next_power_of_2
 
 
 @triton.jit
@@ -344,12 +344,12 @@ def attn_bwd(
     layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
               dq.stride(), dk.stride(), dv.stride(), softmax_scale, causal, window, n_seq, max_len)
     dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens)
-    dq_plan = plan_key("dq", dq_pointers, *layout)
-    if not relaunch(dq_plan, dq_pointers):
+    dq_plan = LAUNCHER.plan_key("dq", dq_pointers, *layout)
+    if not LAUNCHER.relaunch(dq_plan, dq_pointers):
         _launch_dq(dq_pointers, softmax_scale, causal, window, n_seq, max_len, dq_plan)
     dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens)
-    dkdv_plan = plan_key("dkdv", dkdv_pointers, *layout)
-    if not relaunch(dkdv_plan, dkdv_pointers):
+    dkdv_plan = LAUNCHER.plan_key("dkdv", dkdv_pointers, *layout)
+    if not LAUNCHER.relaunch(dkdv_plan, dkdv_pointers):
         _launch_dkdv(dkdv_pointers, softmax_scale, causal, window, n_seq, max_len, dkdv_plan)
     return dq, dk, dv
 
@@ -382,7 +382,7 @@ def _launch_dq(pointers: tuple, softmax_scale: float, causal: bool, window: int,
     ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
                 stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None)
     names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS")
-    launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
+    LAUNCHER.launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
            ints, q.device, plan)
 
 
@@ -395,5 +395,5 @@ def _launch_dkdv(pointers: tuple, softmax_scale: float, causal: bool, window: in
     ints.update(stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
                 stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2])
     names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS")
-    launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
+    LAUNCHER.launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
            ints, q.device, plan)

@@ -11,8 +11,8 @@ backward dQ kernel (``dq``). Each config sets two tile sizes (``BLOCK_M`` rows o
   ``max_shared_mem`` are pruned before tuning (``early_config_prune``), so a ~100 KB consumer card
   never compiles a config that cannot fit.
 * Under ``TRITON_INTERPRET=1`` (CPU) Triton cannot time configs, so one small config is used.
-* ``NANOFLASH_AUTOTUNE=0`` also skips tuning and launches the first config that fits (used by the
-  GPU test matrix to keep compile time bounded); see ``launch.py``.
+* With ``LAUNCHER.autotune`` off (``launch.py``) tuning is skipped too and the first config that
+  fits is launched (the GPU test matrix does so to keep compile time bounded).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def make_pruner(kind: str):
 
 
 def default_config(kind: str, device, block_d: int, elem_bytes: int) -> TileConfig:
-    """The config launched without autotuning (interpreter, or ``NANOFLASH_AUTOTUNE=0``)."""
+    """The config launched without autotuning (interpreter, or ``LAUNCHER.autotune`` off)."""
     if is_interpreter() or device.type != "cuda":
         return INTERPRET_CONFIGS[kind]
     family, max_smem = device_info(device.index or 0)

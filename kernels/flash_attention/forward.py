@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import make_pruner, triton_configs
-from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
+from .launch import LAUNCHER, Kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -217,9 +217,9 @@ def attn_fwd(
     if n_seq == 0 or max_len == 0:
         return o, lse
     pointers = (q, k, v, o, lse, cu_seqlens)
-    plan = plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+    plan = LAUNCHER.plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
                     softmax_scale, causal, window, n_seq, max_len)
-    if not relaunch(plan, pointers):
+    if not LAUNCHER.relaunch(plan, pointers):
         _launch_fwd(pointers, softmax_scale, causal, window, n_seq, max_len, plan)
     return o, lse
 
@@ -242,7 +242,7 @@ def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
         IEEE=q.dtype == torch.float32,
     )
-    launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS"), pointers)),
+    LAUNCHER.launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS"), pointers)),
            dict(qk_scale=softmax_scale * LOG2E), ints, q.device, plan)
 
 

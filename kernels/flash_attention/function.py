@@ -1,15 +1,16 @@
-"""Flash attention as ``torch.library`` custom ops, with autograd, and the public function.
+"""Flash attention: one ``torch.library`` op pair, one ``autograd.Function``, the public function.
 
-``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` are opaque to ``torch.compile``
-(they have fake implementations for tracing), so a model that calls :func:`flash_attn` compiles
-with ``fullgraph=True`` and no graph break; the Triton kernels run eagerly inside them. The same
-ops run under ``TRITON_INTERPRET=1`` on CPU tensors.
+``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` are defined with
+``torch.library.define`` + ``torch.library.impl`` (one implementation for every device: CUDA, or
+CPU under ``TRITON_INTERPRET=1``) and have fake implementations, so ``torch.compile`` treats them
+as opaque calls and a model that calls :func:`flash_attn` compiles with ``fullgraph=True`` and no
+graph break. Autograd is one ``torch.autograd.Function`` around them (not the ops' own
+``register_autograd``): eager calls and compiled graphs take the same path, and an eager call
+pays one cheap dispatcher boundary per op instead of ``custom_op``'s Python autograd layer
+(FlashAttention's ``flash_attn_interface.py`` is built the same way).
 
-Outside ``torch.compile`` :func:`flash_attn` calls the same launch functions through a plain
-``torch.autograd.Function``: the custom-op dispatch costs tens of microseconds of CPU per call,
-which shows on short sequences where one attention call takes ~0.1 ms of GPU time.
-
-Saved for backward: q, k, v, o (B, T, H, D) and lse (B, H, T) float32 -- O(T) memory, no T x T.
+Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32 and cu_seqlens -- O(T) memory,
+no T x T.
 """
 
 from __future__ import annotations
@@ -38,85 +39,61 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_t: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
 
 
-def checked_forward(q, k, v, cu_seqlens, softmax_scale: float, causal: bool, window: int):
-    """``attn_fwd`` after the cu_seqlens value checks (shared by every op and eager path)."""
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, q.shape[1])
-    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+torch.library.define(
+    "nanoflash::flash_attn_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, float softmax_scale, bool causal, int window)"
+    " -> (Tensor, Tensor)",
+)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """o (B, T, H, D) in q.dtype, lse (B, H, T) float32 natural log; window 0 = none."""
-    return checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
-
-
-@flash_attn_fwd.register_fake
+@torch.library.register_fake("nanoflash::flash_attn_fwd")
 def _flash_attn_fwd_fake(q, k, v, cu_seqlens, softmax_scale, causal, window):
     B, T, H, D = q.shape
     return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
-    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse)
+def checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window):
+    """``attn_fwd`` after the cu_seqlens value checks: o (B, T, H, D) in q.dtype, lse (B, H, T)
+    float32 natural log; window 0 = none. The implementation of both forward ops."""
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q.shape[1])
+    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
 
 
-@flash_attn_bwd.register_fake
+torch.library.impl("nanoflash::flash_attn_fwd", "default", checked_forward)
+
+torch.library.define(
+    "nanoflash::flash_attn_bwd",
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens,"
+    " float softmax_scale, bool causal, int window) -> (Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.register_fake("nanoflash::flash_attn_bwd")
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, softmax_scale, causal, window):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, softmax_scale, causal, window = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.window = window
-    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, softmax_scale, causal, window):
+    """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
+    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse)
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, ctx.softmax_scale,
-                                ctx.causal, ctx.window)
-    return dq, dk, dv, None, None, None, None
+torch.library.impl("nanoflash::flash_attn_bwd", "default", _flash_attn_bwd)
+
+flash_attn_fwd = torch.ops.nanoflash.flash_attn_fwd.default  # the overloads: no packet lookup per call
+flash_attn_bwd = torch.ops.nanoflash.flash_attn_bwd.default
 
 
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FlashAttnFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same kernels, same saved tensors, less dispatch)."""
+class FlashAttnFunction(torch.autograd.Function):
+    """Autograd of :func:`flash_attn`: the forward op, then the backward op on the saved tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, softmax_scale, causal, window):
-        o, lse = checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
-        _setup_context(ctx, (q, k, v, cu_seqlens, softmax_scale, causal, window), (o, lse))
+        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, softmax_scale, causal, window)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.options = (softmax_scale, causal, window)
+        ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
         return o, lse
 
     @staticmethod
@@ -124,8 +101,7 @@ class _FlashAttnFunction(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.window,
-                              cu_seqlens, dlse)
+        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, *ctx.options)
         return dq, dk, dv, None, None, None, None
 
 
@@ -219,9 +195,6 @@ def flash_attn(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    args = (q, k, v, cu_seqlens, float(softmax_scale), bool(causal), int(window_size or 0))
-    if torch.compiler.is_compiling():
-        o, lse = flash_attn_fwd(*args)  # opaque custom op: no graph break
-    else:
-        o, lse = _FlashAttnFunction.apply(*args)
+    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, float(softmax_scale), bool(causal),
+                                     int(window_size or 0))
     return (o, lse) if return_lse else o

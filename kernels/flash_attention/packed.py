@@ -7,8 +7,12 @@ of a (B, T, H + 2 * H_kv, D) tensor per layer. :func:`flash_attn_qkvpacked` take
 tensor and its backward writes dq, dk and dv straight into one gradient buffer of the same shape
 (the kernels take any T and H strides), so there is nothing to concatenate.
 
-Same kernels, same saved tensors, same numerics as :func:`flash_attn`; custom ops with fake
-implementations for ``torch.compile`` and an ``autograd.Function`` twin for eager calls, as there.
+Same kernels and numerics as :func:`flash_attn`, and the same host path: one op pair,
+``nanoflash::flash_attn_qkvpacked_fwd`` / ``_bwd`` (``torch.library.define`` + ``impl``, with fake
+implementations; the ops take qkv whole, so a compiled graph hands the kernels the projection's
+buffer as it is), called by one ``autograd.Function`` in eager calls and compiled graphs alike.
+
+Saved for backward: qkv, o (B, T, n_head, D), lse (B, n_head, T) float32 and cu_seqlens.
 """
 
 from __future__ import annotations
@@ -26,79 +30,60 @@ def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tenso
     return qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_fwd", mutates_args=())
-def flash_attn_qkvpacked_fwd(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-    n_head: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """o (B, T, n_head, D) in qkv.dtype, lse (B, n_head, T) float32 natural log; window 0 = none."""
-    return checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
+torch.library.define(
+    "nanoflash::flash_attn_qkvpacked_fwd",
+    "(Tensor qkv, Tensor? cu_seqlens, float softmax_scale, bool causal, int window, int n_head) -> (Tensor, Tensor)",
+)
 
 
-@flash_attn_qkvpacked_fwd.register_fake
+@torch.library.register_fake("nanoflash::flash_attn_qkvpacked_fwd")
 def _flash_attn_qkvpacked_fwd_fake(qkv, cu_seqlens, softmax_scale, causal, window, n_head):
     B, T, _, D = qkv.shape
     return qkv.new_empty((B, T, n_head, D)), qkv.new_empty((B, n_head, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_bwd", mutates_args=())
-def flash_attn_qkvpacked_bwd(
-    do: torch.Tensor,
-    qkv: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-    n_head: int,
-) -> torch.Tensor:
-    """dqkv, contiguous, shaped like qkv: dq, dk and dv side by side along the heads axis."""
-    return _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head)
+def _flash_attn_qkvpacked_fwd(qkv, cu_seqlens, softmax_scale, causal, window, n_head):
+    """o (B, T, n_head, D) in qkv.dtype, lse (B, n_head, T) float32 natural log; window 0 = none."""
+    return checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
 
 
-@flash_attn_qkvpacked_bwd.register_fake
+torch.library.impl("nanoflash::flash_attn_qkvpacked_fwd", "default", _flash_attn_qkvpacked_fwd)
+
+torch.library.define(
+    "nanoflash::flash_attn_qkvpacked_bwd",
+    "(Tensor do, Tensor qkv, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens, float softmax_scale,"
+    " bool causal, int window, int n_head) -> Tensor",
+)
+
+
+@torch.library.register_fake("nanoflash::flash_attn_qkvpacked_bwd")
 def _flash_attn_qkvpacked_bwd_fake(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head):
     return qkv.new_empty(qkv.shape)
 
 
-def _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head) -> torch.Tensor:
+def _flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head):
+    """dqkv, contiguous, shaped like qkv: dq, dk and dv side by side along the heads axis."""
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
     attn_bwd(do, *split_qkv(qkv, n_head), o, lse, softmax_scale, causal, window, cu_seqlens, dlse,
              out=split_qkv(dqkv, n_head))
     return dqkv
 
 
-def _setup_context(ctx, inputs, output):
-    qkv, cu_seqlens, softmax_scale, causal, window, n_head = inputs
-    o, lse = output
-    ctx.save_for_backward(qkv, o, lse, cu_seqlens)
-    ctx.options = (softmax_scale, causal, window, n_head)
-    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+torch.library.impl("nanoflash::flash_attn_qkvpacked_bwd", "default", _flash_attn_qkvpacked_bwd)
+
+flash_attn_qkvpacked_fwd = torch.ops.nanoflash.flash_attn_qkvpacked_fwd.default
+flash_attn_qkvpacked_bwd = torch.ops.nanoflash.flash_attn_qkvpacked_bwd.default
 
 
-def _backward(ctx, do, dlse):
-    qkv, o, lse, cu_seqlens = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    return flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
-
-
-flash_attn_qkvpacked_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FlashAttnQKVPackedFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same kernels, same saved tensors, less dispatch)."""
+class FlashAttnQKVPackedFunction(torch.autograd.Function):
+    """Autograd of :func:`flash_attn_qkvpacked`: the forward op, then one gradient for qkv."""
 
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, softmax_scale, causal, window, n_head):
-        o, lse = checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
-        _setup_context(ctx, (qkv, cu_seqlens, softmax_scale, causal, window, n_head), (o, lse))
+        o, lse = flash_attn_qkvpacked_fwd(qkv, cu_seqlens, softmax_scale, causal, window, n_head)
+        ctx.save_for_backward(qkv, o, lse, cu_seqlens)
+        ctx.options = (softmax_scale, causal, window, n_head)
+        ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
         return o, lse
 
     @staticmethod
@@ -106,7 +91,8 @@ class _FlashAttnQKVPackedFunction(torch.autograd.Function):
         qkv, o, lse, cu_seqlens = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        return _gradient(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
+        dqkv = flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options)
+        return dqkv, None, None, None, None, None
 
 
 def flash_attn_qkvpacked(
@@ -141,9 +127,6 @@ def flash_attn_qkvpacked(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale = default_scale(qkv.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    args = (qkv, cu_seqlens, scale, bool(causal), int(window_size or 0), n_head)
-    if torch.compiler.is_compiling():
-        o, lse = flash_attn_qkvpacked_fwd(*args)  # opaque custom op: no graph break
-    else:
-        o, lse = _FlashAttnQKVPackedFunction.apply(*args)
+    o, lse = FlashAttnQKVPackedFunction.apply(qkv, cu_seqlens, scale, bool(causal), int(window_size or 0),
+                                              n_head)
     return (o, lse) if return_lse else o
