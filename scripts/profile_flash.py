@@ -82,8 +82,8 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
 
-    def fwd_bwd():
-        torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
+    def fwd_bwd(dropout_p=0.0):
+        torch.autograd.grad(flash_attn(qg, kg, vg, dropout_p=dropout_p), (qg, kg, vg), do)
 
     found = {
         "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
@@ -96,6 +96,7 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
         found[f"attn_bwd ({tag})"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True, 0, None))
         found[f"flash_attn, no grad ({tag})"] = per_call_us(lambda: flash_attn(q, k, v))
         found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
+        found[f"flash_attn fwd+bwd, dropout 0.1 ({tag})"] = per_call_us(lambda: fwd_bwd(0.1))
     launch.LAUNCHER.replay = before
     found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh))
     found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh))
