@@ -668,6 +668,18 @@ def test_dropout_under_activation_checkpointing_recomputes_the_same_mask():
     assert torch.equal(o, oc) and all(torch.equal(a, b) for a, b in zip(grads, grads_c))
 
 
+def test_reference_dropout_without_a_mask_draws_bernoulli_from_torch():
+    q, k, v = (t.double() for t in _small(T=12, H=2, HKV=2, D=16))
+    torch.manual_seed(2)
+    o, lse = attention_ref(q, k, v, dropout_p=0.4)
+    torch.manual_seed(2)
+    keep = torch.rand(1, 2, 12, 12, device=q.device) >= 0.4
+    o_mask, lse_mask = attention_ref(q, k, v, dropout_mask=keep, dropout_p=0.4)
+    o_plain, lse_plain = attention_ref(q, k, v)
+    assert torch.equal(o, o_mask) and not torch.allclose(o, o_plain)
+    assert torch.equal(lse, lse_plain) and torch.equal(lse_mask, lse_plain)
+
+
 def test_dropout_output_is_unbiased():
     """Over many independent masks (batch rows and seeds), the mean output equals the
     no-dropout output: each element within 5 standard errors, the error computed from the
