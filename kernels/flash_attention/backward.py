@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import make_pruner, triton_configs
 from .dropout import dropout_keep, dropout_threshold, load_rng
 from .forward import LOG2E, _dot, _load_rows, seq_layout
 from .launch import LAUNCHER, Kernel, next_power_of_2
@@ -326,15 +325,8 @@ def _attn_bwd_dq_kernel(
              mask=m_mask[:, None] & d_mask[None, :])
 
 
-_AUTOTUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN", "HAS_DROPOUT"]
-DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, triton.autotune(
-    configs=triton_configs("dkdv"), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": make_pruner("dkdv")},
-)(_attn_bwd_dkdv_kernel), resident="BLOCK_N")
-DQ = Kernel("dq", _attn_bwd_dq_kernel, triton.autotune(
-    configs=triton_configs("dq"), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": make_pruner("dq")},
-)(_attn_bwd_dq_kernel), resident="BLOCK_M")
+DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, resident="BLOCK_N")
+DQ = Kernel("dq", _attn_bwd_dq_kernel, resident="BLOCK_M")
 
 
 def attn_bwd(

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import make_pruner, triton_configs
 from .dropout import dropout_keep, dropout_threshold, load_rng
 from .launch import LAUNCHER, Kernel, next_power_of_2
 
@@ -200,11 +199,7 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=m_mask)
 
 
-FWD = Kernel("fwd", _attn_fwd_kernel, triton.autotune(
-    configs=triton_configs("fwd"),
-    key=["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN", "HAS_DROPOUT"],
-    prune_configs_by={"early_config_prune": make_pruner("fwd")},
-)(_attn_fwd_kernel), resident="BLOCK_M")
+FWD = Kernel("fwd", _attn_fwd_kernel, resident="BLOCK_M")
 
 
 def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
