@@ -15,6 +15,15 @@ figure). Writes dropout.json and dropout.md.
 
     python scripts/bench_flash.py --dropout 0.1 --out OUTDIR
 
+With ``--first-call`` it measures what a user waits for at a new shape: for a few new (dtype, D)
+pairs at a small T, the wall seconds of the first forward+backward call, in a new process with an
+empty Triton cache and an empty nanoflash tuning cache (compilation, and tuning where the shape
+has more than one candidate config), then again in another new process with both caches kept
+(targets: <= 10 s in fp16/bf16 and <= 15 s in fp32 cold, no tuning warm). Writes first_call.json
+and first_call.md; about two minutes on an H100.
+
+    python scripts/bench_flash.py --first-call --out OUTDIR
+
 Needs a CUDA GPU.
 """
 
@@ -23,7 +32,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -217,6 +229,101 @@ def dropout_table(rows: list[dict], first: dict, dropout_p: float, meta: dict) -
     return "\n".join(md)
 
 
+FIRST_CALL_SHAPES = [  # (dtype, B, H, T, D): new (dtype, head dim) pairs at a small T
+    ("bf16", 2, 8, 512, 64),
+    ("bf16", 2, 8, 512, 128),
+    ("fp32", 2, 8, 512, 64),
+    ("fp32", 2, 8, 512, 32),
+    ("fp16", 2, 8, 512, 80),
+]
+FIRST_CALL_TARGET_S = {"bf16": 10.0, "fp16": 10.0, "fp32": 15.0}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def first_call_child(shape: list, tune_cache: str) -> dict:
+    """In this (new) process: seconds of the first forward+backward at ``shape`` (dtype, B, H, T, D),
+    the seconds spent tuning inside it and the configs launched. Tuning picks go to ``tune_cache``.
+    CUDA and Triton's driver utilities are loaded before the clock starts (any Triton kernel needs
+    them; they are not ours)."""
+    import triton
+
+    from kernels import flash_attn
+    from kernels.flash_attention import launch
+
+    triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+
+    launcher = launch.LAUNCHER
+    launcher.cache_dir = Path(tune_cache)
+    tunes = []
+
+    def timed_tuner(*args):
+        start = time.perf_counter()
+        timings = launch.time_configs(*args)
+        tunes.append(time.perf_counter() - start)
+        return timings
+
+    launcher.tuner = timed_tuner
+    dtype, B, H, T, D = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seconds = first_call_seconds(lambda q, k, v: flash_attn(q, k, v, causal=True), q, k, v, do)
+    return {"first_call_s": seconds, "tuning_s": sum(tunes), "tunes": len(tunes),
+            "configs": {key[0]: str(cfg) for key, cfg in launcher.tuned.items()}}
+
+
+def first_call_in_a_new_process(shape: tuple, triton_cache: Path, tune_cache: Path) -> dict:
+    """:func:`first_call_child` in a new Python process with ``TRITON_CACHE_DIR=triton_cache``; its
+    result plus the process's wall seconds and the notices it printed."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(triton_cache)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--first-call-child", json.dumps([list(shape), str(tune_cache)])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"first call at {shape} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.splitlines()[-1])
+    result["process_s"] = time.perf_counter() - start
+    result["notices"] = [line for line in proc.stderr.splitlines() if line.startswith("nanoflash:")]
+    return result
+
+
+def bench_first_calls(shapes: list[tuple], folder: Path) -> list[dict]:
+    """Per shape: the first call in a new process with empty caches ("cold"), then in another new
+    process with the caches the first one filled ("warm")."""
+    rows = []
+    for i, shape in enumerate(shapes):
+        triton_cache, tune_cache = folder / f"shape{i}" / "triton", folder / f"shape{i}" / "nanoflash"
+        row = {"shape": list(shape)}
+        for run in ("cold", "warm"):
+            row[run] = first_call_in_a_new_process(shape, triton_cache, tune_cache)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def first_call_table(rows: list[dict], meta: dict) -> str:
+    """Markdown: seconds of each shape's first call, cold and warm, against the targets."""
+    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | causal "
+          "forward+backward, the first call in a new process (seconds)", "",
+          "| dtype | B | H | T | D | cold: first call | cold: tuning (tunes) | warm: first call | warm: tuning | "
+          "target (cold) | met |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        dtype, B, H, T, D = row["shape"]
+        cold, warm = row["cold"], row["warm"]
+        target = FIRST_CALL_TARGET_S[dtype]
+        met = cold["first_call_s"] <= target and warm["tunes"] == 0
+        md.append(f"| {dtype} | {B} | {H} | {T} | {D} | {cold['first_call_s']:.1f} | {cold['tuning_s']:.1f} "
+                  f"({cold['tunes']}) | {warm['first_call_s']:.2f} | {warm['tuning_s']:.1f} | {target:.0f} | "
+                  f"{'yes' if met else 'NO'} |")
+    md += ["", "Configs launched (cold run), and what the cold runs printed:", ""]
+    for row in rows:
+        md.append(f"- {row['shape']}: " + "; ".join(f"{kind} {cfg}" for kind, cfg in row["cold"]["configs"].items()))
+        md += [f"  - `{line}`" for line in row["cold"]["notices"]]
+    return "\n".join(md)
+
+
 def chosen_configs() -> dict:
     """The config each autotuned kernel picked, per autotune key (kernel kind first)."""
     from kernels.flash_attention.launch import LAUNCHER
@@ -237,7 +344,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
     ap.add_argument("--dropout", type=float, default=None, metavar="P",
                     help="measure the cost of attention dropout P (0 < P < 1) against none instead")
+    ap.add_argument("--first-call", action="store_true",
+                    help="time the first call at new shapes in new processes, cold and warm caches, instead")
+    ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.first_call_child is not None:  # one measurement of --first-call, in its own process
+        print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
+        return
     if args.dropout is not None and not 0 < args.dropout < 1:
         print(f"--dropout must be in (0, 1), got {args.dropout}", file=sys.stderr)
         sys.exit(2)
@@ -264,6 +377,12 @@ def main() -> None:
         "autotune": launch.LAUNCHER.autotune,
         "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
     }
+    if args.first_call:
+        with tempfile.TemporaryDirectory(prefix="nanoflash-first-call-") as folder:
+            rows = bench_first_calls(FIRST_CALL_SHAPES, Path(folder))
+        meta.update(chosen_configs={}, dtype="per shape", shapes="dtype, B, H, T, D")
+        emit(args.out, "first_call", meta, rows, first_call_table(rows, meta))
+        return
     if args.dropout is not None:
         rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)
         meta["chosen_configs"] = chosen_configs()
