@@ -275,6 +275,14 @@ def test_an_unwritable_cache_folder_warns_and_keeps_the_pick_for_the_process(fak
     assert _launch(launcher, jit) == picked and len(tuner.calls) == 1
 
 
+def test_the_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tune_cache.default_folder() == tmp_path / "nanoflash" / "autotune"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tune_cache.default_folder() == tmp_path / "home" / ".cache" / "nanoflash" / "autotune"
+
+
 _WRITER = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("tune_cache", sys.argv[1])

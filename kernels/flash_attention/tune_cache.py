@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 def default_folder() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "nanoflash" / "autotune"
 
 
