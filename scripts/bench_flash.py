@@ -7,6 +7,23 @@ gradients of each implementation are checked against ours.
 
     python scripts/bench_flash.py --out OUTDIR    # writes bench.json and bench.md to OUTDIR
 
+With ``--dropout P`` it measures the cost of attention dropout instead: ours and SDPA's
+FlashAttention-2, each at dropout_p=0 and dropout_p=P, forward and forward+backward, eager, and
+the ratio of the two times; plus the wall time of our first call (compilation and autotuning) at
+the first shape, without and then with dropout (run with a fresh ``TRITON_CACHE_DIR`` for a cold
+figure). Writes dropout.json and dropout.md.
+
+    python scripts/bench_flash.py --dropout 0.1 --out OUTDIR
+
+With ``--first-call`` it measures what a user waits for at a new shape: for a few new (dtype, D)
+pairs at a small T, the wall seconds of the first forward+backward call, in a new process with an
+empty Triton cache and an empty nanoflash tuning cache (compilation, and tuning where the shape
+has more than one candidate config), then again in another new process with both caches kept
+(targets: <= 10 s in fp16/bf16 and <= 15 s in fp32 cold, no tuning warm). Writes first_call.json
+and first_call.md; about two minutes on an H100.
+
+    python scripts/bench_flash.py --first-call --out OUTDIR
+
 Needs a CUDA GPU.
 """
 
@@ -15,7 +32,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -33,12 +54,12 @@ SHAPES = [  # (B, H, T, D)
 ]
 
 
-def sdpa_fn(backend):
+def sdpa_fn(backend, dropout_p: float = 0.0):
     from torch.nn.attention import sdpa_kernel
 
     def run(q, k, v):  # q, k, v: (B, H, T, D)
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
 
     return run
 
@@ -92,20 +113,8 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             bad = {n: e for n, e in res["rel_err_vs_ours"].items() if not e < 2e-2}
             res["agrees"] = not bad
         del o, gr
-
-        def fwd():
-            return fn(qq, kk, vv)
-
-        def fwd_bwd():
-            out = fn(qq, kk, vv)
-            out.backward(dd)
-
-        t_f = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-        t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=[qq, kk, vv],
-                                       return_mode="median")
-        res.update(fwd_ms=t_f, fwd_bwd_ms=t_fb,
-                   fwd_tflops=flops(B, H, T, D, False) / t_f * 1e-9,
-                   fwd_bwd_tflops=flops(B, H, T, D, True) / t_fb * 1e-9)
+        res.update(time_calls(fn, qq, kk, vv, dd, (B, H, T, D), warmup, rep))
+        fwd, fwd_bwd = calls(fn, qq, kk, vv, dd)
         if graphs:  # replayed CUDA graphs: GPU time without Python/launch overhead
             try:
                 g_f = triton.testing.do_bench_cudagraph(fwd, rep=rep, return_mode="median")
@@ -123,25 +132,228 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
     return row
 
 
+def calls(fn, q, k, v, do):
+    """The forward call and the forward+backward call of ``fn`` on these inputs."""
+
+    def fwd():
+        return fn(q, k, v)
+
+    def fwd_bwd():
+        fn(q, k, v).backward(do)
+
+    return fwd, fwd_bwd
+
+
+def time_calls(fn, q, k, v, do, shape, warmup, rep) -> dict:
+    """Median eager milliseconds and TFLOP/s of ``fn``'s forward and forward+backward."""
+    import triton
+
+    fwd, fwd_bwd = calls(fn, q, k, v, do)
+    t_f = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=[q, k, v], return_mode="median")
+    return dict(fwd_ms=t_f, fwd_bwd_ms=t_fb, fwd_tflops=flops(*shape, False) / t_f * 1e-9,
+                fwd_bwd_tflops=flops(*shape, True) / t_fb * 1e-9)
+
+
+def dropout_inputs(B, H, T, D, dtype):
+    """(ours, SDPA's): q, k, v (requiring grad) and do, in (B, T, H, D) and (B, H, T, D)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+    ours = [t.clone().requires_grad_() for t in (q, k, v)] + [do]
+    sdpa = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)] + [do.transpose(1, 2).contiguous()]
+    return ours, sdpa
+
+
+def first_call_seconds(fn, q, k, v, do) -> float:
+    """Wall seconds of one synchronised forward+backward (the first: compilation and tuning)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(q, k, v).backward(do)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_dropout(shapes, dropout_p: float, warmup: int, rep: int) -> tuple[list[dict], dict]:
+    """Per shape: eager times of ours and FA2 at dropout 0 and ``dropout_p``; first-call seconds."""
+    from torch.nn.attention import SDPBackend
+
+    from kernels import flash_attn
+
+    def ours(p):
+        return lambda q, k, v: flash_attn(q, k, v, causal=True, dropout_p=p)
+
+    impls = {("nanoflash", 0.0): (ours(0.0), 0), ("nanoflash", dropout_p): (ours(dropout_p), 0),
+             ("sdpa_fa2", 0.0): (sdpa_fn(SDPBackend.FLASH_ATTENTION), 1),
+             ("sdpa_fa2", dropout_p): (sdpa_fn(SDPBackend.FLASH_ATTENTION, dropout_p), 1)}
+    inputs = dropout_inputs(*shapes[0], torch.bfloat16)[0]
+    first = {f"p={p}": first_call_seconds(impls[("nanoflash", p)][0], *inputs) for p in (0.0, dropout_p)}
+    first["shape"] = shapes[0]
+    rows = []
+    for shape in shapes:
+        inputs = dropout_inputs(*shape, torch.bfloat16)
+        row = {"B": shape[0], "H": shape[1], "T": shape[2], "D": shape[3]}
+        for (name, p), (fn, layout) in impls.items():
+            try:
+                row[f"{name} p={p}"] = time_calls(fn, *inputs[layout], shape, warmup, rep)
+            except Exception as e:  # a backend without dropout here
+                row[f"{name} p={p}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows, first
+
+
+def dropout_table(rows: list[dict], first: dict, dropout_p: float, meta: dict) -> str:
+    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | "
+          f"bf16 causal, eager, median ms (do_bench); cost = time at p={dropout_p} / time at p=0", "",
+          f"| B | H | T | D | fwd ours p=0 | fwd ours p={dropout_p} | cost | fwd+bwd ours p=0 | "
+          f"fwd+bwd ours p={dropout_p} | cost | fwd+bwd FA2 p=0 | fwd+bwd FA2 p={dropout_p} | cost |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(r, key):
+        return f"{r[key]:.3f}" if key in r else "n/a"
+
+    def cost(a, b, key):
+        return f"{b[key] / a[key]:.3f}x" if key in a and key in b else "n/a"
+
+    for r in rows:
+        o0, o1 = r["nanoflash p=0.0"], r[f"nanoflash p={dropout_p}"]
+        f0, f1 = r["sdpa_fa2 p=0.0"], r[f"sdpa_fa2 p={dropout_p}"]
+        md.append(f"| {r['B']} | {r['H']} | {r['T']} | {r['D']} | {ms(o0, 'fwd_ms')} | {ms(o1, 'fwd_ms')} | "
+                  f"{cost(o0, o1, 'fwd_ms')} | {ms(o0, 'fwd_bwd_ms')} | {ms(o1, 'fwd_bwd_ms')} | "
+                  f"{cost(o0, o1, 'fwd_bwd_ms')} | {ms(f0, 'fwd_bwd_ms')} | {ms(f1, 'fwd_bwd_ms')} | "
+                  f"{cost(f0, f1, 'fwd_bwd_ms')} |")
+    md += ["", f"First forward+backward call of ours at {tuple(first['shape'])} (compilation and autotuning, "
+           f"seconds): p=0 {first['p=0.0']:.1f}, then p={dropout_p} {first[f'p={dropout_p}']:.1f}"]
+    return "\n".join(md)
+
+
+FIRST_CALL_SHAPES = [  # (dtype, B, H, T, D): new (dtype, head dim) pairs at a small T
+    ("bf16", 2, 8, 512, 64),
+    ("bf16", 2, 8, 512, 128),
+    ("fp32", 2, 8, 512, 64),
+    ("fp32", 2, 8, 512, 32),
+    ("fp16", 2, 8, 512, 80),
+]
+FIRST_CALL_TARGET_S = {"bf16": 10.0, "fp16": 10.0, "fp32": 15.0}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def first_call_child(shape: list, tune_cache: str) -> dict:
+    """In this (new) process: seconds of the first forward+backward at ``shape`` (dtype, B, H, T, D),
+    the seconds spent tuning inside it and the configs launched. Tuning picks go to ``tune_cache``.
+    CUDA and Triton's driver utilities are loaded before the clock starts (any Triton kernel needs
+    them; they are not ours)."""
+    import triton
+
+    from kernels import flash_attn
+    from kernels.flash_attention import launch
+
+    triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+
+    launcher = launch.LAUNCHER
+    launcher.cache_dir = Path(tune_cache)
+    tunes = []
+
+    def timed_tuner(*args):
+        start = time.perf_counter()
+        timings = launch.time_configs(*args)
+        tunes.append(time.perf_counter() - start)
+        return timings
+
+    launcher.tuner = timed_tuner
+    dtype, B, H, T, D = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seconds = first_call_seconds(lambda q, k, v: flash_attn(q, k, v, causal=True), q, k, v, do)
+    return {"first_call_s": seconds, "tuning_s": sum(tunes), "tunes": len(tunes),
+            "configs": {key[0]: str(cfg) for key, cfg in launcher.tuned.items()}}
+
+
+def first_call_in_a_new_process(shape: tuple, triton_cache: Path, tune_cache: Path) -> dict:
+    """:func:`first_call_child` in a new Python process with ``TRITON_CACHE_DIR=triton_cache``; its
+    result plus the process's wall seconds and the notices it printed."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(triton_cache)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--first-call-child", json.dumps([list(shape), str(tune_cache)])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"first call at {shape} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.splitlines()[-1])
+    result["process_s"] = time.perf_counter() - start
+    result["notices"] = [line for line in proc.stderr.splitlines() if line.startswith("nanoflash:")]
+    return result
+
+
+def bench_first_calls(shapes: list[tuple], folder: Path) -> list[dict]:
+    """Per shape: the first call in a new process with empty caches ("cold"), then in another new
+    process with the caches the first one filled ("warm")."""
+    rows = []
+    for i, shape in enumerate(shapes):
+        triton_cache, tune_cache = folder / f"shape{i}" / "triton", folder / f"shape{i}" / "nanoflash"
+        row = {"shape": list(shape)}
+        for run in ("cold", "warm"):
+            row[run] = first_call_in_a_new_process(shape, triton_cache, tune_cache)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def first_call_table(rows: list[dict], meta: dict) -> str:
+    """Markdown: seconds of each shape's first call, cold and warm, against the targets."""
+    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | causal "
+          "forward+backward, the first call in a new process (seconds)", "",
+          "| dtype | B | H | T | D | cold: first call | cold: tuning (tunes) | warm: first call | warm: tuning | "
+          "target (cold) | met |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        dtype, B, H, T, D = row["shape"]
+        cold, warm = row["cold"], row["warm"]
+        target = FIRST_CALL_TARGET_S[dtype]
+        met = cold["first_call_s"] <= target and warm["tunes"] == 0
+        md.append(f"| {dtype} | {B} | {H} | {T} | {D} | {cold['first_call_s']:.1f} | {cold['tuning_s']:.1f} "
+                  f"({cold['tunes']}) | {warm['first_call_s']:.2f} | {warm['tuning_s']:.1f} | {target:.0f} | "
+                  f"{'yes' if met else 'NO'} |")
+    md += ["", "Configs launched (cold run), and what the cold runs printed:", ""]
+    for row in rows:
+        md.append(f"- {row['shape']}: " + "; ".join(f"{kind} {cfg}" for kind, cfg in row["cold"]["configs"].items()))
+        md += [f"  - `{line}`" for line in row["cold"]["notices"]]
+    return "\n".join(md)
+
+
 def chosen_configs() -> dict:
-    """The config each autotuned kernel picked, per autotune key."""
-    from kernels.flash_attention import backward, forward
+    """The config each autotuned kernel picked, per autotune key (kernel kind first)."""
+    from kernels.flash_attention.launch import LAUNCHER
 
     out = {}
-    for kernel in (forward.FWD, backward.DKDV, backward.DQ):
-        out[kernel.kind] = {str(k): str(v) for k, v in getattr(kernel.tuned, "cache", {}).items()}
+    for key, cfg in LAUNCHER.tuned.items():
+        out.setdefault(key[0], {})[str(key[1:])] = str(cfg)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for bench.json and bench.md")
+    ap.add_argument("--out", default=None, help="folder for bench.json and bench.md (dropout.* with --dropout)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     ap.add_argument("--graphs", action="store_true",
                     help="also time replays of captured CUDA graphs (no launch overhead)")
     ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
+    ap.add_argument("--dropout", type=float, default=None, metavar="P",
+                    help="measure the cost of attention dropout P (0 < P < 1) against none instead")
+    ap.add_argument("--first-call", action="store_true",
+                    help="time the first call at new shapes in new processes, cold and warm caches, instead")
+    ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.first_call_child is not None:  # one measurement of --first-call, in its own process
+        print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
+        return
+    if args.dropout is not None and not 0 < args.dropout < 1:
+        print(f"--dropout must be in (0, 1), got {args.dropout}", file=sys.stderr)
+        sys.exit(2)
     if not torch.cuda.is_available():
         print("bench_flash.py times our kernel against SDPA's CUDA kernels and needs a CUDA GPU; on CPU, "
               "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
@@ -155,11 +367,6 @@ def main() -> None:
 
     shapes = SHAPES if not args.shapes else [
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
-    impls = {
-        "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
-        "sdpa_fa2": (sdpa_fn(SDPBackend.FLASH_ATTENTION), "bhtd"),
-        "sdpa_cudnn": (sdpa_fn(SDPBackend.CUDNN_ATTENTION), "bhtd"),
-    }
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -167,8 +374,24 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "dtype": "bfloat16",
         "causal": True,
-        "autotune": launch.AUTOTUNE,
+        "autotune": launch.LAUNCHER.autotune,
         "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
+    }
+    if args.first_call:
+        with tempfile.TemporaryDirectory(prefix="nanoflash-first-call-") as folder:
+            rows = bench_first_calls(FIRST_CALL_SHAPES, Path(folder))
+        meta.update(chosen_configs={}, dtype="per shape", shapes="dtype, B, H, T, D")
+        emit(args.out, "first_call", meta, rows, first_call_table(rows, meta))
+        return
+    if args.dropout is not None:
+        rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)
+        meta["chosen_configs"] = chosen_configs()
+        emit(args.out, "dropout", meta, rows, dropout_table(rows, meta["first_call_s"], args.dropout, meta))
+        return
+    impls = {
+        "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
+        "sdpa_fa2": (sdpa_fn(SDPBackend.FLASH_ATTENTION), "bhtd"),
+        "sdpa_cudnn": (sdpa_fn(SDPBackend.CUDNN_ATTENTION), "bhtd"),
     }
     rows = []
     for (B, H, T, D) in shapes:
@@ -195,9 +418,6 @@ def main() -> None:
                   f"{cell(ours, 'fwd_bwd_tflops')} | {cell(fa2, 'fwd_bwd_tflops')} | "
                   f"{cell(cud, 'fwd_bwd_tflops')} | {speed} | {'yes' if agrees else 'NO'} |")
     meta["chosen_configs"] = chosen_configs()
-    for name, cfgs in meta["chosen_configs"].items():
-        for key, cfg in cfgs.items():
-            print(f"autotuned {name} {key}: {cfg}")
     if args.graphs:
         md += ["", "Same, timed as replayed CUDA graphs (GPU time without Python/launch "
                "overhead):", "",
@@ -214,13 +434,20 @@ def main() -> None:
                       f"{cell(cud, 'graph_fwd_tflops')} | {cell(ours, 'graph_fwd_bwd_tflops')} | "
                       f"{cell(fa2, 'graph_fwd_bwd_tflops')} | {cell(cud, 'graph_fwd_bwd_tflops')} "
                       f"| {speed} |")
-    table = "\n".join(md)
+    emit(args.out, "bench", meta, rows, "\n".join(md))
+
+
+def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str) -> None:
+    """Print the autotuner's picks and ``table``; with ``out``, write <stem>.json and <stem>.md there."""
+    for name, cfgs in meta["chosen_configs"].items():
+        for key, cfg in cfgs.items():
+            print(f"autotuned {name} {key}: {cfg}")
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "bench.md").write_text(table + "\n")
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (folder / f"{stem}.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
    allocations, the launch functions, the public function, the autograd round trip, with our
-   launch cache (with its per-call-site plans) on and off (kernels/flash_attention/launch.py), next to
+   launch plans replayed and not (``LAUNCHER.replay``, kernels/flash_attention/launch.py), next to
    SDPA's FlashAttention-2 and cuDNN.
 2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
    ``triton.testing.do_bench`` (L2 flushed before each call, as the benchmarks do), and the GPU
@@ -82,21 +82,22 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
 
-    def fwd_bwd():
-        torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
+    def fwd_bwd(dropout_p=0.0):
+        torch.autograd.grad(flash_attn(qg, kg, vg, dropout_p=dropout_p), (qg, kg, vg), do)
 
     found = {
         "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
         "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
     }
-    before = launch.LAUNCH_CACHE
-    for cache, tag in ((True, "cache on"), (False, "cache off")):
-        launch.LAUNCH_CACHE = cache
+    before = launch.LAUNCHER.replay
+    for replay, tag in ((True, "plans on"), (False, "plans off")):
+        launch.LAUNCHER.replay = replay
         found[f"attn_fwd ({tag})"] = per_call_us(lambda: attn_fwd(q, k, v, scale, True, 0, None))
         found[f"attn_bwd ({tag})"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True, 0, None))
         found[f"flash_attn, no grad ({tag})"] = per_call_us(lambda: flash_attn(q, k, v))
         found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
-    launch.LAUNCH_CACHE = before
+        found[f"flash_attn fwd+bwd, dropout 0.1 ({tag})"] = per_call_us(lambda: fwd_bwd(0.1))
+    launch.LAUNCHER.replay = before
     found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh))
     found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh))
     return found

@@ -26,7 +26,8 @@ import pytest  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import flash_attn, flash_attn_available, flash_attn_qkvpacked  # noqa: E402
-from kernels.flash_attention import configs, forward, launch  # noqa: E402
+from kernels.flash_attention import configs, flash_dropout_mask, forward, launch  # noqa: E402
+from kernels.flash_attention.dropout import draw_dropout_rng  # noqa: E402
 from kernels.flash_attention.reference import attention_ref  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -46,10 +47,9 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 @pytest.fixture(autouse=True)
 def _no_autotune_by_default(monkeypatch):
-    """Launch each kernel's first fitting config (bounded compile time) unless NANOFLASH_AUTOTUNE
-    is set; tests of the tuned path turn autotuning on themselves."""
-    if "NANOFLASH_AUTOTUNE" not in os.environ:
-        monkeypatch.setattr(launch, "AUTOTUNE", False)
+    """Launch each kernel's first fitting config (bounded compile time); tests of the tuned path
+    turn autotuning on themselves."""
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Case:
     strided: bool = False  # q, k, v are slices of one packed (B, T, H + 2 HKV, D) buffer
     scale: float | None = None
     offset: int = 0  # q, k, v, do start this many elements into their buffers (pointers not 16-byte aligned)
+    dropout: float = 0.0
 
     @property
     def id(self) -> str:
@@ -82,6 +83,8 @@ class Case:
             s += f"-scale{self.scale}"
         if self.offset:
             s += f"-offset{self.offset}"
+        if self.dropout:
+            s += f"-dropout{self.dropout}"
         return s
 
 
@@ -106,21 +109,35 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def kernel_dropout_mask(c: Case, seed: int, cu) -> torch.Tensor | None:
+    """The keep-mask a flash call makes right after ``torch.manual_seed(seed)`` (None: no dropout):
+    the call draws its RNG state first thing, as this does."""
+    if not c.dropout:
+        return None
+    torch.manual_seed(seed)
+    mask = flash_dropout_mask(draw_dropout_rng(torch.device(DEVICE)), c.B, c.H, c.T, c.dropout, cu)
+    torch.manual_seed(seed)
+    return mask
+
+
 def check_case(c: Case, seed: int = 0) -> None:
+    """o, lse, dq, dk, dv of ``c`` against the float64 reference (with the kernel's own dropout
+    mask), within the error of the reference run in the inputs' precision (module docstring)."""
     q, k, v, do, cu = make_inputs(c, seed)
     kw = dict(causal=c.causal, softmax_scale=c.scale, window_size=c.window, cu_seqlens=cu)
 
     q1, k1, v1 = (t.detach().requires_grad_() for t in (q, k, v))
     if c.strided:
         assert not q1.is_contiguous()
-    o, lse = flash_attn(q1, k1, v1, return_lse=True, **kw)
+    mask = kernel_dropout_mask(c, seed, cu)
+    o, lse = flash_attn(q1, k1, v1, return_lse=True, dropout_p=c.dropout, **kw)
     assert o.dtype == c.dtype and o.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (c.B, c.H, c.T)
     grads = torch.autograd.grad(o, (q1, k1, v1), do)
 
     def ref(dtype):
         qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o_r, lse_r = attention_ref(qr, kr, vr, compute_dtype=dtype, **kw)
+        o_r, lse_r = attention_ref(qr, kr, vr, compute_dtype=dtype, dropout_mask=mask, dropout_p=c.dropout, **kw)
         g_r = torch.autograd.grad(o_r, (qr, kr, vr), do.to(o_r.dtype))
         return o_r, lse_r, g_r
 
@@ -168,6 +185,12 @@ CPU_CASES = [
     Case(2, 100, 4, 2, 32, F16, strided=True),
     Case(1, 77, 2, 1, 48, F32, scale=0.3),
     Case(1, 50, 2, 1, 32, F16, offset=3),
+    Case(2, 40, 4, 2, 32, F32, dropout=0.3),
+    Case(1, 77, 2, 1, 48, F16, dropout=0.1),
+    Case(1, 130, 2, 2, 32, F32, window=20, dropout=0.2),
+    Case(1, 200, 2, 1, 32, F16, cu=DOCS, dropout=0.25),
+    Case(2, 65, 2, 1, 64, F32, causal=False, dropout=0.5),
+    Case(2, 50, 4, 2, 32, F16, strided=True, dropout=0.3),
 ]
 
 
@@ -207,6 +230,16 @@ def _cuda_cases() -> list[Case]:
         for D in (64, 80, 128):
             cases.append(Case(2, T, 4, 2, D, BF16, strided=True))
             cases.append(Case(2, T, 4, 2, D, F16, offset=1))
+    for T in (1, 17, 200, 1000):  # dropout
+        for D in (64, 128):
+            for dt in (F16, BF16):
+                cases.append(Case(2, T, 4, 2, D, dt, dropout=0.1))
+    cases += [Case(1, 1000, 4, 1, 64, BF16, window=100, dropout=0.2),
+              Case(1, 1000, 4, 2, 128, F16, cu=docs[2], dropout=0.1),
+              Case(1, 1000, 4, 2, 64, BF16, cu=docs[3], window=64, dropout=0.3),
+              Case(2, 1000, 4, 2, 96, BF16, causal=False, dropout=0.1),
+              Case(2, 1000, 4, 2, 64, BF16, strided=True, dropout=0.1),
+              Case(1, 200, 4, 2, 80, F32, dropout=0.25)]
     return cases
 
 
@@ -219,12 +252,13 @@ def test_flash_matches_reference_cuda(case):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [1000, 2048])
-def test_autotuned_path_cuda(monkeypatch, T, D):
+def test_autotuned_path_cuda(monkeypatch, T, D, dropout):
     """The autotuned launch (what training and the benchmark use) is correct too."""
-    monkeypatch.setattr(launch, "AUTOTUNE", True)
-    check_case(Case(2, T, 8, 2, D, BF16))
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", True)
+    check_case(Case(2, T, 8, 2, D, BF16, dropout=dropout))
 
 
 def test_host_integer_helpers_match_triton():
@@ -232,28 +266,6 @@ def test_host_integer_helpers_match_triton():
 
     assert all(launch.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
     assert all(launch.ceil_div(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in (1, 16, 64, 128))
-
-
-def test_launch_key_separates_what_triton_specialises_on():
-    """The launch cache reuses a compiled kernel only for arguments Triton would compile the same."""
-    from kernels.flash_attention.backward import DQ
-    from kernels.flash_attention.forward import FWD
-
-    buf = torch.zeros(64)
-    pointers, ints, cpu = dict(Q=buf[:16], CU_SEQLENS=None), dict(T=16, H=2, IS_CAUSAL=True), torch.device("cpu")
-    key = launch.launch_key(FWD, pointers, ints, cpu, True)
-    assert key == launch.launch_key(FWD, dict(pointers, Q=buf[16:32]), ints, cpu, True)  # another aligned tensor
-    others = [
-        (FWD, dict(pointers, Q=buf[1:17]), ints, cpu, True),  # pointer not 16-byte aligned
-        (FWD, dict(pointers, Q=buf[:16].half()), ints, cpu, True),
-        (FWD, dict(pointers, CU_SEQLENS=buf.int()), ints, cpu, True),
-        (FWD, pointers, dict(ints, T=17), cpu, True),
-        (FWD, pointers, dict(ints, IS_CAUSAL=False), cpu, True),
-        (FWD, pointers, ints, torch.device("cuda", 1), True),
-        (FWD, pointers, ints, cpu, False),  # autotuning off picks another config
-        (DQ, pointers, ints, cpu, True),
-    ]
-    assert all(launch.launch_key(*other) != key for other in others)
 
 
 class _RecordingBinary:
@@ -266,30 +278,40 @@ class _RecordingBinary:
         return lambda *args: self.calls.append((grid, args))
 
 
-class _EveryKeyCompiled(dict):
-    """A launch cache that already holds ``binary`` (with a fixed config) for every launch key."""
+class _RecordingJit:
+    """Stands in for a kernel's JIT function: ``jit[grid](**kwargs)`` records the launch as the
+    compiled kernel would receive it (every argument, in signature order) and returns ``binary``."""
 
-    def __init__(self, binary):
-        super().__init__()
+    def __init__(self, arg_names, binary):
+        self.arg_names = arg_names
         self.binary = binary
 
-    def get(self, key, default=None):
-        return self.binary, configs.TileConfig(32, 16, 4, 1)
+    def __getitem__(self, grid):
+        def run(num_warps, num_stages, **kwargs):
+            assert set(kwargs) == set(self.arg_names)
+            self.binary.calls.append((grid, tuple(kwargs[name] for name in self.arg_names)))
+            return self.binary
+
+        return run
 
 
 def _planned_and_built_launches(monkeypatch, run):
     """What the kernels receive for ``run(tensors)`` on a second set of tensors: (launches replayed
     from the plans recorded by a first call, launches built from scratch for the same call)."""
+    from kernels.flash_attention import backward
+
     binary = _RecordingBinary()
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
-    monkeypatch.setattr(launch, "_COMPILED", _EveryKeyCompiled(binary))
-    monkeypatch.setattr(launch, "_PLANS", {})
+    for module, name in ((forward, "FWD"), (backward, "DQ"), (backward, "DKDV")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, dataclasses.replace(kernel, jit=_RecordingJit(kernel.jit.arg_names, binary)))
+    monkeypatch.setattr(launch.LAUNCHER, "replay", True)  # off under the interpreter
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
     run(0)
-    n_plans = len(launch._PLANS)
+    n_plans = len(launch.LAUNCHER.plans)
     binary.calls.clear()
     run(1)
     planned = list(binary.calls)
-    launch._PLANS.clear()
+    launch.LAUNCHER.plans.clear()
     binary.calls.clear()
     run(1)
     assert n_plans == len(planned) == len(binary.calls) > 0
@@ -331,44 +353,44 @@ def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse):
             assert inputs and all(planned_args[i] is built_args[i] for i in inputs)
 
 
-def test_launch_plan_key_separates_what_the_arguments_are_computed_from(monkeypatch):
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", True)
+def test_launch_plan_key_separates_what_the_arguments_are_computed_from():
+    launcher = launch.Launcher(autotune=True, replay=True)
     buf = torch.zeros(64)
     pointers = (buf[:16], None)
-    key = launch.plan_key("fwd", pointers, (2, 8), 0.125, True)
-    assert key == launch.plan_key("fwd", (buf[16:32], None), (2, 8), 0.125, True)
-    assert launch.plan_key("fwd", (buf[1:17], None), (2, 8), 0.125, True) is None  # misaligned
+    key = launcher.plan_key("fwd", pointers, (2, 8), 0.125, True)
+    assert key == launcher.plan_key("fwd", (buf[16:32], None), (2, 8), 0.125, True)
+    assert launcher.plan_key("fwd", (buf[1:17], None), (2, 8), 0.125, True) is None  # misaligned
     others = [
-        launch.plan_key("dq", pointers, (2, 8), 0.125, True),
-        launch.plan_key("fwd", (buf[:16].half(), None), (2, 8), 0.125, True),
-        launch.plan_key("fwd", (buf[:16], buf.int()), (2, 8), 0.125, True),
-        launch.plan_key("fwd", pointers, (2, 9), 0.125, True),
-        launch.plan_key("fwd", pointers, (2, 8), 0.1, True),
+        launcher.plan_key("dq", pointers, (2, 8), 0.125, True),
+        launcher.plan_key("fwd", (buf[:16].half(), None), (2, 8), 0.125, True),
+        launcher.plan_key("fwd", (buf[:16], buf.int()), (2, 8), 0.125, True),
+        launcher.plan_key("fwd", pointers, (2, 9), 0.125, True),
+        launcher.plan_key("fwd", pointers, (2, 8), 0.1, True),
+        launch.Launcher(autotune=False, replay=True).plan_key("fwd", pointers, (2, 8), 0.125, True),
     ]
     assert key not in others
-    monkeypatch.setattr(launch, "AUTOTUNE", not launch.AUTOTUNE)
-    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) != key
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
-    assert launch.plan_key("fwd", pointers, (2, 8), 0.125, True) is None
+    assert launch.Launcher(autotune=True, replay=False).plan_key("fwd", pointers, (2, 8), 0.125, True) is None
 
 
 @gpu
 @pytest.mark.gpu
-def test_launch_cache_gives_misaligned_inputs_their_own_binary_cuda():
+def test_misaligned_inputs_never_replay_an_aligned_plan_cuda():
     """Same shapes and strides, 16-byte aligned and then not: the binary compiled for the first
-    (which may assume aligned pointers) must not run the second."""
+    (which may assume aligned pointers) must not run the second; Triton's own launch does."""
     aligned = Case(2, 200, 4, 2, 64, BF16)
     check_case(aligned)
-    known = set(launch._COMPILED)
+    check_case(aligned)
+    known = dict(launch.LAUNCHER.plans)
+    assert known, "aligned calls recorded no plan"
     check_case(dataclasses.replace(aligned, offset=1))
-    assert set(launch._COMPILED) - known, "misaligned inputs reused the aligned inputs' binaries"
+    assert launch.LAUNCHER.plans == known, "misaligned inputs recorded or replaced a plan"
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuned", [False, True])
-def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
-    monkeypatch.setattr(launch, "AUTOTUNE", tuned)
+def test_launch_plans_match_tritons_own_launch_bitwise_cuda(monkeypatch, tuned):
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", tuned)
     q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
 
     def run():
@@ -376,13 +398,13 @@ def test_launch_cache_matches_tritons_own_launch_bitwise_cuda(monkeypatch, tuned
         o = flash_attn(qg, kg, vg)
         return (o, *torch.autograd.grad(o, (qg, kg, vg), do))
 
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
     run()  # tunes (or compiles) and launches through Triton
-    run()  # fills the launch cache and records the plans
-    n_plans = len(launch._PLANS)
+    run()  # records the plans
+    n_plans = len(launch.LAUNCHER.plans)
     cached = run()  # replays the plans
     assert n_plans == 3
-    monkeypatch.setattr(launch, "LAUNCH_CACHE", False)
+    monkeypatch.setattr(launch.LAUNCHER, "replay", False)
     for a, b in zip(cached, run()):
         assert torch.equal(a, b)
 
@@ -457,21 +479,33 @@ def test_lse_gradient():
     assert max_err(gq, gq_r) < 1e-5
 
 
-def test_torch_compile_fullgraph_no_graph_break():
+def _compiled_and_eager(f, *inputs):
+    """(output, gradients) of ``torch.compile(f, fullgraph=True)`` and of eager ``f``, each run
+    right after ``torch.manual_seed(0)``. Under Inductor the RNG ops fall back to eager's
+    (``fallback_random``), so both draw the same dropout mask."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    backend = "inductor" if CUDA else "aot_eager"  # inductor on CPU would spend ~20 s in g++
+    results = []
+    with inductor_config.patch(fallback_random=True):
+        for fn in (torch.compile(f, fullgraph=True, backend=backend), f):
+            torch.manual_seed(0)
+            out = fn(*inputs)
+            results.append((out, torch.autograd.grad(out, inputs)))
+    return results
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+def test_torch_compile_fullgraph_no_graph_break(dropout_p):
     q, k, v = _small(requires_grad=True)
 
     def f(q, k, v):
-        return flash_attn(q * 2.0, k, v, window_size=16).float().square().sum()
+        return flash_attn(q * 2.0, k, v, window_size=16, dropout_p=dropout_p).float().square().sum()
 
     explain = torch._dynamo.explain(f)(q, k, v)
     assert explain.graph_break_count == 0, explain.break_reasons
-    torch._dynamo.reset()
-    backend = "inductor" if CUDA else "aot_eager"  # inductor on CPU would spend ~20 s in g++
-    cf = torch.compile(f, fullgraph=True, backend=backend)
-    out = cf(q, k, v)
-    g = torch.autograd.grad(out, (q, k, v))
-    out_e = f(q, k, v)
-    g_e = torch.autograd.grad(out_e, (q, k, v))
+    (out, g), (out_e, g_e) = _compiled_and_eager(f, q, k, v)
     torch.testing.assert_close(out, out_e)
     for a, b in zip(g, g_e):
         torch.testing.assert_close(a, b)
@@ -482,12 +516,15 @@ PACKED_CASES = [
     pytest.param(dict(B=1, T=70, H=4, HKV=2, D=16), dict(window_size=9), id="gqa-window"),
     pytest.param(dict(B=1, T=77, H=2, HKV=1, D=32), dict(cu=[0, 30, 31, 77]), id="gqa-varlen"),
     pytest.param(dict(B=1, T=33, H=2, HKV=2, D=32, dtype=torch.float16), dict(causal=False), id="fp16-full"),
+    pytest.param(dict(B=1, T=70, H=4, HKV=2, D=16), dict(window_size=9, dropout_p=0.2), id="gqa-window-dropout"),
+    pytest.param(dict(B=1, T=77, H=2, HKV=1, D=32), dict(cu=[0, 30, 31, 77], dropout_p=0.3), id="gqa-varlen-dropout"),
 ]
 
 
 @pytest.mark.parametrize("shape,kw", PACKED_CASES)
 def test_qkvpacked_equals_flash_attn_on_the_split_tensors(shape, kw):
-    """Same kernels on views: o, lse and the gradient (dq, dk, dv side by side) agree exactly."""
+    """Same kernels on views: o, lse and the gradient (dq, dk, dv side by side) agree exactly (with
+    dropout: the same mask for the same seed)."""
     B, T, H, HKV, D = (shape[n] for n in ("B", "T", "H", "HKV", "D"))
     dtype = shape.get("dtype", F32)
     kw = dict(kw)
@@ -496,29 +533,29 @@ def test_qkvpacked_equals_flash_attn_on_the_split_tensors(shape, kw):
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(B, T, H + 2 * HKV, D, generator=g).to(DEVICE, dtype).requires_grad_()
     do = torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype)
+    torch.manual_seed(5)
     o, lse = flash_attn_qkvpacked(qkv, H, return_lse=True, **kw)
     (dqkv,) = torch.autograd.grad((o * do).sum() + lse.sum(), qkv)
     q, k, v = (t.detach().requires_grad_() for t in qkv.detach().split([H, HKV, HKV], dim=2))
+    torch.manual_seed(5)
     o2, lse2 = flash_attn(q, k, v, return_lse=True, **kw)
     grads = torch.autograd.grad((o2 * do).sum() + lse2.sum(), (q, k, v))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
     assert dqkv.shape == qkv.shape and torch.equal(dqkv, torch.cat(grads, dim=2))
 
 
-def test_qkvpacked_compiles_without_graph_break():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+def test_qkvpacked_compiles_without_graph_break(dropout_p):
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(1, 40, 8, 32, generator=g).to(DEVICE).requires_grad_()
 
     def f(qkv):
-        return flash_attn_qkvpacked(qkv * 2.0, 4).float().square().sum()
+        return flash_attn_qkvpacked(qkv * 2.0, 4, dropout_p=dropout_p).float().square().sum()
 
     explain = torch._dynamo.explain(f)(qkv)
     assert explain.graph_break_count == 0, explain.break_reasons
-    torch._dynamo.reset()
-    backend = "inductor" if CUDA else "aot_eager"
-    out = torch.compile(f, fullgraph=True, backend=backend)(qkv)
-    (grad,) = torch.autograd.grad(out, qkv)
-    (grad_eager,) = torch.autograd.grad(f(qkv), qkv)
+    (out, (grad,)), (out_e, (grad_eager,)) = _compiled_and_eager(f, qkv)
+    torch.testing.assert_close(out, out_e)
     torch.testing.assert_close(grad, grad_eager)
 
 
@@ -527,6 +564,143 @@ def test_qkvpacked_rejects_a_heads_axis_that_does_not_split(heads, n_head):
     qkv = torch.randn(1, 8, heads, 32, device=DEVICE)
     with pytest.raises(ValueError, match="heads axis"):
         flash_attn_qkvpacked(qkv, n_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: the mask's statistics and what it may not change (the reference match is in CPU_CASES
+# and _cuda_cases).
+def _dropout_run(q, k, v, do, seed, dropout_p=0.3, **kw):
+    """o and (dq, dk, dv) of one flash call right after ``torch.manual_seed(seed)``."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(seed)
+    o = flash_attn(q, k, v, dropout_p=dropout_p, **kw)
+    return o, torch.autograd.grad(o, (q, k, v), do)
+
+
+def test_dropout_same_seed_repeats_bitwise_and_another_seed_differs():
+    q, k, v = _small()
+    do = torch.randn_like(q)
+    o1, g1 = _dropout_run(q, k, v, do, seed=1)
+    o2, g2 = _dropout_run(q, k, v, do, seed=1)
+    o3, g3 = _dropout_run(q, k, v, do, seed=2)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert not torch.equal(o1, o3) and not any(torch.equal(a, b) for a, b in zip(g1, g3))
+
+
+def test_dropout_zero_runs_the_plain_kernel_and_draws_nothing():
+    q, k, v = _small()
+    do = torch.randn_like(q)
+    torch.manual_seed(3)
+    before = torch.rand(4)  # what the generator gives next, had nothing drawn from it
+    plain = _dropout_run(q, k, v, do, seed=3, dropout_p=0.0)
+    assert torch.equal(torch.rand(4), before)
+    o, g = _dropout_run(q, k, v, do, seed=4, dropout_p=0.0)
+    default = flash_attn(q, k, v)
+    assert torch.equal(plain[0], o) and torch.equal(o, default)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], g))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_keeps_one_minus_p_independently(p):
+    """The kept fraction is 1 - p within 5 standard errors, in each of the four Philox words (key
+    j takes word j % 4), and neighbouring keys agree as often as independent draws do."""
+    B, H, T = 2, 3, 128
+    torch.manual_seed(0)
+    keep = flash_dropout_mask(draw_dropout_rng(torch.device(DEVICE)), B, H, T, p).cpu()
+    n = keep.numel()
+
+    def near(fraction, expected, count):
+        return abs(fraction - expected) < 5 * math.sqrt(expected * (1 - expected) / count)
+
+    assert near(keep.float().mean().item(), 1 - p, n)
+    for word in range(4):
+        assert near(keep[..., word::4].float().mean().item(), 1 - p, n // 4), word
+    same = (keep[..., 1:] == keep[..., :-1]).float().mean().item()
+    assert near(same, p * p + (1 - p) * (1 - p), n - B * H * T)
+    planes = keep.reshape(B * H, T, T)
+    assert all(not torch.equal(planes[i], planes[j]) for i in range(B * H) for j in range(i))
+    assert not torch.equal(keep[..., 1:, :], keep[..., :-1, :])  # rows differ too
+
+
+@pytest.mark.parametrize("cu", [None, (0, 5, 70, 71, 150, 200)], ids=["batch", "varlen"])
+def test_dropout_mask_does_not_depend_on_tile_sizes(cu):
+    """The kernels tile differently (and autotune); each must regenerate the same bits."""
+    B, T = (2, 100) if cu is None else (1, cu[-1])
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    rng = torch.tensor([1234567, 89], dtype=torch.int64, device=DEVICE)
+    masks = [flash_dropout_mask(rng, B, 2, T, 0.4, cu_t, block_m=bm, block_n=bn)
+             for bm, bn in ((16, 16), (32, 64), (64, 16))]
+    assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2])
+    if cu is not None:  # nothing across documents
+        doc = torch.bucketize(torch.arange(T), torch.tensor(cu[1:]), right=True)
+        assert not masks[0][..., doc[:, None] != doc[None, :]].any()
+
+
+def test_dropout_never_lets_a_future_key_in():
+    """Causal attention under dropout: keys after a query change neither its output nor, through
+    it, their own gradients."""
+    q, k, v = _small(T=40)
+    t0 = 17
+    do = torch.randn_like(q)
+    do[:, t0 + 1:] = 0  # only the outputs of queries <= t0 matter
+    k2, v2 = k.clone(), v.clone()
+    k2[:, t0 + 1:] += 3.0
+    v2[:, t0 + 1:] -= 2.0
+    o, (dq, dk, dv) = _dropout_run(q, k, v, do, seed=7)
+    o2, _ = _dropout_run(q, k2, v2, do, seed=7)
+    assert torch.equal(o[:, :t0 + 1], o2[:, :t0 + 1])
+    assert not dk[:, t0 + 1:].any() and not dv[:, t0 + 1:].any()
+    assert dk[:, :t0 + 1].any() and dv[:, :t0 + 1].any()
+
+
+def test_dropout_under_activation_checkpointing_recomputes_the_same_mask():
+    """torch.utils.checkpoint restores the generator's state before recomputing, so the recomputed
+    forward draws the same RNG state and the gradients are those of the plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = _small()
+    do = torch.randn_like(q)
+    o, grads = _dropout_run(q, k, v, do, seed=11)
+    qc, kc, vc = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(11)
+    oc = checkpoint(lambda *x: flash_attn(*x, dropout_p=0.3), qc, kc, vc, use_reentrant=False)
+    grads_c = torch.autograd.grad(oc, (qc, kc, vc), do)
+    assert torch.equal(o, oc) and all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+
+
+def test_reference_dropout_without_a_mask_draws_bernoulli_from_torch():
+    q, k, v = (t.double() for t in _small(T=12, H=2, HKV=2, D=16))
+    torch.manual_seed(2)
+    o, lse = attention_ref(q, k, v, dropout_p=0.4)
+    torch.manual_seed(2)
+    keep = torch.rand(1, 2, 12, 12, device=q.device) >= 0.4
+    o_mask, lse_mask = attention_ref(q, k, v, dropout_mask=keep, dropout_p=0.4)
+    o_plain, lse_plain = attention_ref(q, k, v)
+    assert torch.equal(o, o_mask) and not torch.allclose(o, o_plain)
+    assert torch.equal(lse, lse_plain) and torch.equal(lse_mask, lse_plain)
+
+
+def test_dropout_output_is_unbiased():
+    """Over many independent masks (batch rows and seeds), the mean output equals the
+    no-dropout output: each element within 5 standard errors, the error computed from the
+    probabilities P: Var(o_id) = p / (1 - p) * sum_j P_ij^2 v_jd^2 per call."""
+    p, copies, seeds, T, H, D = 0.3, 32, 4, 24, 2, 16
+    q1, k1, v1 = _small(T=T, H=H, HKV=H, D=D)
+    q, k, v = (t.expand(copies, -1, -1, -1) for t in (q1, k1, v1))
+    total = torch.zeros(T, H, D, dtype=torch.float64)
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        total += flash_attn(q, k, v, dropout_p=p).double().sum(0).cpu()
+    mean = total / (copies * seeds)
+    plain = flash_attn(q1, k1, v1)[0].double().cpu()
+    qd, kd, vd = (t[0].double().cpu() for t in (q1, k1, v1))  # (T, H, D)
+    scores = torch.einsum("ihd,jhd->hij", qd, kd) / math.sqrt(D)
+    P = torch.softmax(scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")), -1)
+    var = p / (1 - p) * torch.einsum("hij,jhd->ihd", P.square(), vd.square())
+    z = (mean - plain) / (var / (copies * seeds)).sqrt()
+    assert z.abs().max() < 5, z.abs().max()
+    biased = (mean * (1 - p) - plain) / (var / (copies * seeds)).sqrt()  # without the 1 / (1 - p)
+    assert biased.abs().max() > 5
 
 
 def _bad_inputs():
@@ -550,6 +724,8 @@ def _bad_inputs():
     yield "cu end", (q, k, k), {"cu_seqlens": cu[:2]}, "end at the packed length"
     yield "cu order", (q, k, k), {"cu_seqlens": torch.tensor([0, 5, 3, 8], dtype=torch.int32,
                                                             device=DEVICE)}, "non-decreasing"
+    for p in (-0.1, 1.0, 1.5, float("nan"), "0.1", True):
+        yield f"dropout {p!r}", (q, k, k), {"dropout_p": p}, r"dropout_p must be a float in \[0, 1\)"
     if CUDA:
         yield "device", (q.cpu(), k.cpu(), k.cpu()), {}, "CUDA device"
 
@@ -593,19 +769,16 @@ def test_consumer_default_config_runs(monkeypatch):
     chosen = {kind: configs.filter_configs(kind, configs.candidate_configs(kind, "consumer"),
                                            configs.SMEM_CONSUMER, D, 2)[0]
               for kind in ("fwd", "dkdv", "dq")}
-    monkeypatch.setattr(launch, "AUTOTUNE", False)
-    monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
-    monkeypatch.setattr(launch, "_COMPILED", {})  # binaries cached with other configs must not answer
-    monkeypatch.setattr(launch, "_PLANS", {})
+    _force_configs(monkeypatch, chosen)
     check_case(Case(1, 70, 2, 1, D, F16))
 
 
 def _force_configs(monkeypatch, chosen: dict) -> None:
-    """Launch ``chosen[kind]`` for each kernel kind, bypassing tuning and every cache."""
-    monkeypatch.setattr(launch, "AUTOTUNE", False)
+    """Launch ``chosen[kind]`` for each kernel kind, bypassing tuning and the recorded plans (plans
+    recorded with other configs must not answer)."""
+    monkeypatch.setattr(launch.LAUNCHER, "autotune", False)
     monkeypatch.setattr(launch, "default_config", lambda kind, *a: chosen[kind])
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
 
 
 def test_query_tiles_taller_than_key_tiles_in_the_backward(monkeypatch):
@@ -615,6 +788,7 @@ def test_query_tiles_taller_than_key_tiles_in_the_backward(monkeypatch):
     _force_configs(monkeypatch, tiles)
     check_case(Case(2, 77, 2, 1, 32, torch.float32))
     check_case(Case(1, 70, 2, 2, 16, torch.float32, window=9))
+    check_case(Case(2, 77, 2, 1, 32, torch.float32, dropout=0.3))
 
 
 HOPPER_CANDIDATES = sorted({(kind, cfg) for kind in ("fwd", "dkdv", "dq")
@@ -627,8 +801,13 @@ HOPPER_CANDIDATES = sorted({(kind, cfg) for kind in ("fwd", "dkdv", "dq")
 @pytest.mark.parametrize("kind,cfg", HOPPER_CANDIDATES,
                          ids=[f"{k}-{c.BLOCK_M}x{c.BLOCK_N}-w{c.num_warps}-s{c.num_stages}"
                               for k, c in HOPPER_CANDIDATES])
-def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg):
-    """Whatever the autotuner picks is right: each candidate, alone, at D=64 and D=128."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
+def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg, dropout):
+    """Whatever the autotuner picks is right: each candidate, alone, at D=64 and D=128. With
+    dropout a candidate may not fit the card (the autotuner skips those); every one that runs must
+    be right, and the first fitting one (what runs without tuning) must run."""
+    from triton.runtime.errors import OutOfResources
+
     for D in (64, 128):
         kept = configs.filter_configs(kind, configs.candidate_configs(kind, "hopper"),
                                       configs.SMEM_HOPPER, D, 2)
@@ -637,4 +816,50 @@ def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg):
         chosen = {k: configs.default_config(k, torch.device(DEVICE), D, 2) for k in ("fwd", "dkdv", "dq")}
         chosen[kind] = cfg
         _force_configs(monkeypatch, chosen)
-        check_case(Case(2, 300, 4, 2, D, BF16))
+        try:
+            check_case(Case(2, 300, 4, 2, D, BF16, dropout=dropout))
+        except OutOfResources:
+            if not dropout or cfg == kept[0]:
+                raise
+
+
+@gpu
+@pytest.mark.gpu
+def test_dropout_under_cuda_graph_capture_draws_fresh_bits_each_replay_cuda():
+    """A captured step replays with a new RNG state each time (torch's CUDA generator advances its
+    offset on every replay) and computes exactly what an eager call with that state computes; the
+    public function, captured, also changes its output from replay to replay."""
+    from kernels.flash_attention.function import FlashAttnFunction
+
+    q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def attend(rng):
+        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, 64 ** -0.5, True, 0, 0.1)
+        return o, torch.autograd.grad(o, (q, k, v), do)
+
+    def step():
+        rng = draw_dropout_rng(q.device)
+        return rng, *attend(rng), flash_attn(q, k, v, dropout_p=0.1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        rng, o, grads, o_public = static
+        replays.append((rng.clone(), o.clone(), [g.clone() for g in grads], o_public.clone()))
+    (rng1, o1, _, public1), (rng2, o2, _, public2) = replays
+    assert not torch.equal(rng1, rng2) and not torch.equal(o1, o2) and not torch.equal(public1, public2)
+    for rng, o, grads, _ in replays:
+        o_eager, grads_eager = attend(rng)
+        assert torch.equal(o, o_eager)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_eager))

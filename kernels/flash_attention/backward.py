@@ -15,6 +15,10 @@ gradient do and the saved log-sum-exp (natural log, converted to base 2 in the k
 
 P and dS are cast to the inputs' element type before their matmul. Key/query ranges are split
 into unmasked and masked (causal diagonal, window edge, ragged end) loops as in the forward.
+
+Dropout (``HAS_DROPOUT``): with Z = keep / (1 - p) (the forward's mask, regenerated per tile by
+``dropout.dropout_keep``), dV = (P * Z)^T dO and dS = P * (dP * Z - delta) where dP = dO V^T;
+delta = rowsum(dO * O) is unchanged (it equals rowsum(P * Z * dP)).
 """
 
 from __future__ import annotations
@@ -23,19 +27,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import make_pruner, triton_configs
+from .dropout import dropout_keep, dropout_threshold, load_rng
 from .forward import LOG2E, _dot, _load_rows, seq_layout
-from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
+from .launch import LAUNCHER, Kernel, next_power_of_2
 
 
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v,
     q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-    offs_n, offs_d, d_mask,
+    start_n, offs_n, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    seed, offset_lo, offset_hi, rng_row0, threshold, dropout_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -60,17 +65,23 @@ def _dkdv_inner(
             if HAS_WINDOW:
                 valid = valid & (offs_m[None, :] - offs_n[:, None] < window)
             p_t = tl.where(valid, p_t, 0.0)
-        dv = _dot(p_t.to(do.dtype), do, dv, IEEE)
-        dp_t = _dot(v, tl.trans(do), None, IEEE)
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(seed, offset_lo, offset_hi, rng_row0, offs_m, start_n, threshold,
+                                  BLOCK_M, BLOCK_N, True)
+            dv = _dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv, IEEE)
+            dp_t = tl.where(keep_t, _dot(v, tl.trans(do), None, IEEE) * dropout_scale, 0.0)
+        else:
+            dv = _dot(p_t.to(do.dtype), do, dv, IEEE)
+            dp_t = _dot(v, tl.trans(do), None, IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _dot(ds_t.to(q.dtype), q, dk, IEEE)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW"])
+@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS,
-    qk_scale, sm_scale, T, H, G, WINDOW,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS, RNG,
+    qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -80,7 +91,7 @@ def _attn_bwd_dkdv_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IEEE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -136,26 +147,34 @@ def _attn_bwd_dkdv_kernel(
     b = tl.minimum(tl.maximum(full_lo, lo), hi)
     c = tl.minimum(tl.maximum(full_hi, b), hi)
 
+    if HAS_DROPOUT:
+        seed, offset_lo, offset_hi = load_rng(RNG)
+    else:
+        seed, offset_lo, offset_hi = 0, 0, 0
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, G):  # the query heads that share this kv head
         i_h = i_kvh * G + g
+        rng_row0 = (i_b * H + i_h) * T  # this (sequence, head) plane of the dropout mask
         q_base = Q + q_off + i_h.to(tl.int64) * stride_qh
         do_base = DO + do_off + i_h.to(tl.int64) * stride_doh
         lse_base = LSE + (lse_b + i_h) * T + lse_row
         delta_base = DELTA + (lse_b + i_h) * T + lse_row
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
                              lo, b, seqlen, qk_scale, WINDOW,
-                             True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                             True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
                              b, c, seqlen, qk_scale, WINDOW,
-                             False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                             False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, offs_n, offs_d, d_mask,
+                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
                              c, hi, seqlen, qk_scale, WINDOW,
-                             True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_M)
+                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                             True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     dk = dk * sm_scale
     tl.store(DK + dk_off + i_kvh.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -171,8 +190,9 @@ def _dq_inner(
     k_base, v_base, stride_kt, stride_vt,
     offs_m, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    seed, offset_lo, offset_hi, rng_row0, threshold, dropout_scale,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -191,15 +211,18 @@ def _dq_inner(
                 valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
             p = tl.where(valid, p, 0.0)
         dp = _dot(do, tl.trans(v), None, IEEE)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offset_lo, offset_hi, rng_row0, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(k.dtype), k, dq, IEEE)
     return dq
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW"])
+@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS,
-    qk_scale, sm_scale, T, H, G, WINDOW,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS, RNG,
+    qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -209,7 +232,7 @@ def _attn_bwd_dq_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DLSE: tl.constexpr, IEEE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -277,32 +300,33 @@ def _attn_bwd_dq_kernel(
     b = tl.minimum(tl.maximum(full_lo, lo), hi)
     c = tl.minimum(tl.maximum(full_hi, b), hi)
 
+    if HAS_DROPOUT:
+        seed, offset_lo, offset_hi = load_rng(RNG)
+    else:
+        seed, offset_lo, offset_hi = 0, 0, 0
+    rng_row0 = (i_b * H + i_h) * T  # this (sequence, head) plane of the dropout mask
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                        offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
-                       True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                       seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                       True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                    offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
-                   False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                   seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                   False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                    offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
-                   True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                   seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                   True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     dq = dq * sm_scale
     tl.store(DQ + dq_off + i_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
 
 
-_AUTOTUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"]
-DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, triton.autotune(
-    configs=triton_configs("dkdv"), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": make_pruner("dkdv")},
-)(_attn_bwd_dkdv_kernel), resident="BLOCK_N")
-DQ = Kernel("dq", _attn_bwd_dq_kernel, triton.autotune(
-    configs=triton_configs("dq"), key=_AUTOTUNE_KEY,
-    prune_configs_by={"early_config_prune": make_pruner("dq")},
-)(_attn_bwd_dq_kernel), resident="BLOCK_M")
+DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, resident="BLOCK_N")
+DQ = Kernel("dq", _attn_bwd_dq_kernel, resident="BLOCK_M")
 
 
 def attn_bwd(
@@ -317,14 +341,18 @@ def attn_bwd(
     window: int,
     cu_seqlens: torch.Tensor | None,
     dlse: torch.Tensor | None = None,
+    rng: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the attention output (and optionally of its lse) wrt q, k, v.
 
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
-    last dims contiguous (a do whose last dim is not is copied: autograd may hand one over). Returns dq (like q), dk (like k), dv (like v): new contiguous tensors,
-    or ``out`` = (dq, dk, dv) written in place (any T and H strides, last dim contiguous; the
-    packed-QKV op passes three views of one gradient buffer).
+    last dims contiguous (a do whose last dim is not is copied: autograd may hand one over).
+    rng, dropout_p: the forward's dropout RNG state and probability (its mask is regenerated).
+    Returns dq (like q), dk (like k), dv (like v): new contiguous tensors, or ``out`` = (dq, dk, dv)
+    written in place (any T and H strides, last dim contiguous; the packed-QKV op passes three
+    views of one gradient buffer).
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -341,59 +369,63 @@ def attn_bwd(
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
+    rng = rng if dropout_p > 0 else None
+    options = (softmax_scale, causal, window, dropout_p)
     layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
-              dq.stride(), dk.stride(), dv.stride(), softmax_scale, causal, window, n_seq, max_len)
-    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens)
-    dq_plan = plan_key("dq", dq_pointers, *layout)
-    if not relaunch(dq_plan, dq_pointers):
-        _launch_dq(dq_pointers, softmax_scale, causal, window, n_seq, max_len, dq_plan)
-    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens)
-    dkdv_plan = plan_key("dkdv", dkdv_pointers, *layout)
-    if not relaunch(dkdv_plan, dkdv_pointers):
-        _launch_dkdv(dkdv_pointers, softmax_scale, causal, window, n_seq, max_len, dkdv_plan)
+              dq.stride(), dk.stride(), dv.stride(), *options, n_seq, max_len)
+    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng)
+    dq_plan = LAUNCHER.plan_key("dq", dq_pointers, *layout)
+    if not LAUNCHER.relaunch(dq_plan, dq_pointers):
+        _launch_dq(dq_pointers, options, n_seq, max_len, dq_plan)
+    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng)
+    dkdv_plan = LAUNCHER.plan_key("dkdv", dkdv_pointers, *layout)
+    if not LAUNCHER.relaunch(dkdv_plan, dkdv_pointers):
+        _launch_dkdv(dkdv_pointers, options, n_seq, max_len, dkdv_plan)
     return dq, dk, dv
 
 
-def _common_ints(q, k, v, do, causal: bool, window: int, max_len: int, cu_seqlens) -> dict:
+def _common_ints(q, k, v, do, causal: bool, window: int, dropout_p: float, max_len: int, cu_seqlens) -> dict:
     """Launch integers both backward kernels take (sizes, shared strides, flags)."""
     B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
     sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
-    return dict(T=T, H=H, G=H // k.shape[2], WINDOW=window,
+    return dict(T=T, H=H, G=H // k.shape[2], WINDOW=window, DROPOUT_THRESHOLD=dropout_threshold(dropout_p),
                 stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
                 stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
                 stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
                 stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
                 T_BUCKET=next_power_of_2(max_len), HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
                 IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-                IEEE=q.dtype == torch.float32)
+                HAS_DROPOUT=dropout_p > 0, IEEE=q.dtype == torch.float32)
 
 
-def _scales(softmax_scale: float) -> dict:
-    return dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale)
+def _scales(softmax_scale: float, dropout_p: float) -> dict:
+    return dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, dropout_scale=1.0 / (1.0 - dropout_p))
 
 
-def _launch_dq(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
-               max_len: int, plan: tuple | None) -> None:
-    """Build the dQ kernel's arguments from its tensors and launch it (and record ``plan``)."""
-    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens = pointers
-    ints = _common_ints(q, k, v, do, causal, window, max_len, cu_seqlens)
+def _launch_dq(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
+    """Build the dQ kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
+    window, dropout_p), launch it (and record ``plan``)."""
+    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng = pointers
+    softmax_scale, causal, window, dropout_p = options
+    ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
     so, sdq = o.stride(), dq.stride()
     ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
                 stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None)
-    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS")
-    launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
-           ints, q.device, plan)
+    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS", "RNG")
+    LAUNCHER.launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
+                    ints, q.device, plan)
 
 
-def _launch_dkdv(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
-                 max_len: int, plan: tuple | None) -> None:
-    """Build the dK/dV kernel's arguments from its tensors and launch it (and record ``plan``)."""
-    q, k, v, do, lse, delta, dk, dv, cu_seqlens = pointers
-    ints = _common_ints(q, k, v, do, causal, window, max_len, cu_seqlens)
+def _launch_dkdv(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
+    """Build the dK/dV kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
+    window, dropout_p), launch it (and record ``plan``)."""
+    q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng = pointers
+    softmax_scale, causal, window, dropout_p = options
+    ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
     sdk, sdv = dk.stride(), dv.stride()
     ints.update(stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
                 stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2])
-    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS")
-    launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale),
-           ints, q.device, plan)
+    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS", "RNG")
+    LAUNCHER.launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
+                    ints, q.device, plan)

@@ -1,18 +1,36 @@
-"""Autotune configurations for the flash-attention kernels, and shared-memory pruning.
+"""Launch configurations of the flash-attention kernels: a short list per (GPU family, dtype, D).
 
-Three kernels are tuned: the forward (``fwd``), the backward dK/dV kernel (``dkdv``) and the
+Three kernels are configured: the forward (``fwd``), the backward dK/dV kernel (``dkdv``) and the
 backward dQ kernel (``dq``). Each config sets two tile sizes (``BLOCK_M`` rows of queries,
 ``BLOCK_N`` rows of keys), ``num_warps`` and ``num_stages``.
 
-* On a GPU the kernels are autotuned over a short list per architecture (Hopper, Ampere data
-  centre, consumer Ampere/Ada) keyed on a bucket of the sequence length
-  (``triton.next_power_of_2(T)``), the head dim, the causal/window/varlen flags and (automatically)
-  the tensor dtypes. Configs whose estimated shared memory exceeds the device's
-  ``max_shared_mem`` are pruned before tuning (``early_config_prune``), so a ~100 KB consumer card
-  never compiles a config that cannot fit.
-* Under ``TRITON_INTERPRET=1`` (CPU) Triton cannot time configs, so one small config is used.
-* ``NANOFLASH_AUTOTUNE=0`` also skips tuning and launches the first config that fits (used by the
-  GPU test matrix to keep compile time bounded); see ``launch.py``.
+:func:`shortlist` gives the candidates of one kernel on one device, best first, from a table keyed
+by the GPU family (Hopper; A100; consumer Ampere/Ada with ~100 KB of shared memory), the element
+size (fp16/bf16, or fp32) and the padded head dim (``BLOCK_D``; 16 shares the row of 32). Most rows
+hold one config, launched without tuning. Two rows hold two: Hopper, fp16/bf16, D in (64, 128],
+forward and dQ, where the H100's autotuner picked different configs at different lengths (forward
+64x64 up to T=2048 and 128x64 from 4096 or 8192 on; dQ 128x64 up to 8192 and 64x32 at 16384, in
+the bench runs of 2026-11-23, docs/runs/bench_flash_*.json). ``launch.py`` times those once per
+tuning key and keeps the pick on disk (``tune_cache.py``). At D=64 the autotuner picked the same
+three configs at every length it ran (1024, 2048), so that row holds one each.
+
+Hopper's rows at D=64 and D=128 are those measured picks, and D <= 32 takes D=64's. The other
+rows are the configs the former per-family candidate lists put first, except where compiling
+them ahead of time (``triton.compile`` for sm_80 / sm_90, ptxas's resource report) showed
+kilobytes of register spills (A100 dK/dV at D=128) or the longest compile times of the table
+(forward and dQ at D=256).
+
+fp32 rows are shared by all families and small on purpose. fp32 inputs use IEEE dots, which
+Triton lowers to FMA loops unrolled per thread: the code grows with the FMAs per thread per dot,
+BLOCK_M * BLOCK_N * BLOCK_D / (32 * num_warps), and so does ptxas's time. The former fp32 picks
+did 2048-8192 of them (dK/dV 32x128 with 4 warps and 3 stages at D=64: 35k lines of PTX, 3 KB of
+register spills); the first fp32 call at a new shape took 28-108 s on the H100. The rows here do
+at most 512 (256 in the four-dot dK/dV kernel), with one stage.
+
+Every row fits its family's shared memory (a test checks the estimate); :func:`filter_configs`
+still drops what does not fit the device at hand (a card with less than its family's budget, or
+a family forced on another card: ``Device.as_family``). Under ``TRITON_INTERPRET=1`` (CPU) one
+small config per kernel is used.
 """
 
 from __future__ import annotations
@@ -21,13 +39,13 @@ import functools
 import os
 from dataclasses import dataclass
 
-import triton
-
-# Shared-memory budgets (bytes) of the cards we care about; used by tests and docs.
+# Shared-memory budgets (bytes) of the cards we care about.
 SMEM_HOPPER = 227 * 1024  # H100 / H200 (opt-in maximum per block)
 SMEM_AMPERE_DC = 163 * 1024  # A100
 SMEM_CONSUMER = 99 * 1024  # RTX 30xx / 40xx (sm_86 / sm_89)
 SMEM_TURING = 64 * 1024  # sm_75
+FAMILY_SMEM = {"hopper": SMEM_HOPPER, "ampere": SMEM_AMPERE_DC, "consumer": SMEM_CONSUMER}
+KINDS = ("fwd", "dkdv", "dq")
 
 
 @dataclass(frozen=True)
@@ -39,67 +57,45 @@ class TileConfig:
     num_warps: int
     num_stages: int
 
-    def to_triton(self) -> triton.Config:
-        return triton.Config(
-            {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N},
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
+    def __str__(self) -> str:
+        return f"{self.BLOCK_M}x{self.BLOCK_N}, {self.num_warps} warps, {self.num_stages} stages"
 
 
 def _t(bm: int, bn: int, w: int, s: int) -> TileConfig:
     return TileConfig(bm, bn, w, s)
 
 
-# Candidate lists, most preferred first. The first config that fits the budget is the
-# "default" used without autotuning. Every list ends with a tiny config that fits 64 KB even at
-# D=256 in fp32, so pruning never leaves a list empty.
-_TINY = _t(16, 16, 4, 1)
+def _row(fwd: list[TileConfig], dkdv: list[TileConfig], dq: list[TileConfig]) -> dict[str, list[TileConfig]]:
+    return {"fwd": fwd, "dkdv": dkdv, "dq": dq}
 
-FWD_CONFIGS: dict[str, list[TileConfig]] = {
-    "hopper": [
-        _t(128, 64, 4, 3), _t(128, 128, 8, 3), _t(128, 64, 8, 3), _t(64, 64, 4, 3),
-        _t(128, 32, 4, 3), _t(64, 32, 4, 2), _TINY,
-    ],
-    "ampere": [
-        _t(128, 64, 4, 3), _t(128, 64, 8, 3), _t(64, 64, 4, 3), _t(128, 32, 4, 2),
-        _t(64, 32, 4, 2), _TINY,
-    ],
-    "consumer": [
-        _t(64, 64, 4, 2), _t(128, 32, 4, 2), _t(64, 32, 4, 2), _t(32, 32, 4, 2),
-        _t(32, 16, 4, 1), _TINY,
-    ],
+
+# fp16 / bf16: (family, BLOCK_D) -> candidates per kernel, best first (module docstring).
+_HOPPER_D64 = _row([_t(64, 64, 4, 3)], [_t(32, 64, 4, 3)], [_t(64, 64, 4, 3)])
+_CONSUMER = _row([_t(64, 64, 4, 2)], [_t(32, 64, 4, 2)], [_t(64, 32, 4, 2)])
+HALF_CONFIGS: dict[tuple[str, int], dict[str, list[TileConfig]]] = {
+    ("hopper", 32): _HOPPER_D64,
+    ("hopper", 64): _HOPPER_D64,
+    ("hopper", 128): _row([_t(64, 64, 4, 3), _t(128, 64, 8, 3)], [_t(64, 128, 8, 3)],
+                          [_t(128, 64, 8, 3), _t(64, 32, 4, 3)]),
+    ("hopper", 256): _row([_t(64, 32, 8, 2)], [_t(16, 32, 4, 1)], [_t(32, 32, 4, 2)]),
+    ("ampere", 32): _row([_t(128, 64, 4, 3)], [_t(32, 128, 8, 2)], [_t(128, 32, 8, 2)]),
+    ("ampere", 64): _row([_t(128, 64, 4, 3)], [_t(32, 128, 8, 2)], [_t(128, 32, 8, 2)]),
+    ("ampere", 128): _row([_t(128, 64, 8, 3)], [_t(32, 64, 4, 3)], [_t(128, 32, 8, 2)]),
+    ("ampere", 256): _row([_t(64, 32, 8, 2)], [_t(16, 32, 4, 1)], [_t(32, 32, 4, 2)]),
+    ("consumer", 32): _CONSUMER,
+    ("consumer", 64): _CONSUMER,
+    ("consumer", 128): _CONSUMER,
+    ("consumer", 256): _row([_t(32, 32, 4, 2)], [_t(16, 32, 4, 1)], [_t(32, 32, 4, 2)]),
 }
 
-# dK/dV: BLOCK_N key rows stay resident (k, v, dk, dv); BLOCK_M query rows stream through.
-DKDV_CONFIGS: dict[str, list[TileConfig]] = {
-    "hopper": [
-        _t(32, 128, 4, 3), _t(64, 128, 8, 2), _t(32, 128, 8, 3), _t(64, 64, 4, 3),
-        _t(32, 64, 4, 3), _t(16, 64, 4, 2), _t(64, 128, 8, 3), _TINY,
-    ],
-    "ampere": [
-        _t(32, 128, 8, 2), _t(64, 64, 4, 2), _t(32, 64, 4, 3), _t(16, 64, 4, 2), _TINY,
-    ],
-    "consumer": [
-        _t(32, 64, 4, 2), _t(16, 64, 4, 2), _t(32, 32, 4, 2), _t(16, 32, 4, 1), _TINY,
-    ],
+# fp32 (IEEE dots on FMA units, every family): BLOCK_D -> candidates per kernel. At most 512 FMAs
+# per thread per dot, 256 in dK/dV (module docstring), one stage.
+FP32_CONFIGS: dict[int, dict[str, list[TileConfig]]] = {
+    32: _row([_t(64, 32, 4, 1)], [_t(32, 32, 4, 1)], [_t(64, 32, 4, 1)]),
+    64: _row([_t(64, 32, 8, 1)], [_t(16, 64, 8, 1)], [_t(64, 32, 8, 1)]),
+    128: _row([_t(32, 32, 8, 1)], [_t(16, 32, 8, 1)], [_t(32, 16, 4, 1)]),
+    256: _row([_t(32, 16, 8, 1)], [_t(16, 16, 8, 1)], [_t(32, 16, 8, 1)]),
 }
-
-# dQ: BLOCK_M query rows stay resident (q, do, dq); BLOCK_N key rows stream through.
-DQ_CONFIGS: dict[str, list[TileConfig]] = {
-    "hopper": [
-        _t(128, 32, 4, 3), _t(128, 64, 8, 2), _t(128, 64, 4, 3), _t(64, 64, 4, 3),
-        _t(64, 32, 4, 3), _t(64, 16, 4, 2), _t(128, 64, 8, 3), _TINY,
-    ],
-    "ampere": [
-        _t(128, 32, 8, 2), _t(64, 64, 4, 2), _t(64, 32, 4, 3), _t(64, 16, 4, 2), _TINY,
-    ],
-    "consumer": [
-        _t(64, 32, 4, 2), _t(64, 16, 4, 2), _t(32, 32, 4, 2), _t(32, 16, 4, 1), _TINY,
-    ],
-}
-
-_ALL = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}
 
 # Configs used under the interpreter: small tiles with BLOCK_M != BLOCK_N so the ragged and
 # masked-block logic is exercised on short CPU test sequences.
@@ -110,8 +106,32 @@ INTERPRET_CONFIGS: dict[str, TileConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class Device:
+    """What the configs depend on of a CUDA device: its name (part of the tuning cache's key), its
+    family and its shared memory per block (bytes)."""
+
+    name: str
+    family: str  # "hopper", "ampere" or "consumer"
+    max_shared_mem: int
+
+    def as_family(self, family: str | None) -> Device:
+        """This device launching the configs of ``family`` within the smaller of the two shared
+        memories (None: itself). Forcing "consumer" on an H100 runs what a ~100 KB card runs."""
+        if family is None or family == self.family:
+            return self
+        if family not in FAMILY_SMEM:
+            raise ValueError(f"unknown GPU family {family!r}; use one of {sorted(FAMILY_SMEM)}")
+        return Device(self.name, family, min(self.max_shared_mem, FAMILY_SMEM[family]))
+
+
 def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def d_bucket(block_d: int) -> int:
+    """The table row of a padded head dim: 16 shares the row of 32."""
+    return max(block_d, 32)
 
 
 def smem_estimate(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
@@ -132,12 +152,10 @@ def smem_estimate(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> 
     return tiles * elem_bytes
 
 
-def _register_ok(kind: str, cfg: TileConfig, block_d: int) -> bool:
-    """Drop configs whose fp32 accumulators alone would exceed ~128 registers per thread."""
+def registers_ok(kind: str, cfg: TileConfig, block_d: int) -> bool:
+    """Whether the fp32 accumulators alone stay within ~160 registers per thread."""
     threads = 32 * cfg.num_warps
-    if kind == "fwd":
-        acc = cfg.BLOCK_M * block_d + cfg.BLOCK_M * cfg.BLOCK_N
-    elif kind == "dkdv":
+    if kind == "dkdv":
         acc = 2 * cfg.BLOCK_N * block_d + cfg.BLOCK_M * cfg.BLOCK_N
     else:
         acc = cfg.BLOCK_M * block_d + cfg.BLOCK_M * cfg.BLOCK_N
@@ -147,30 +165,47 @@ def _register_ok(kind: str, cfg: TileConfig, block_d: int) -> bool:
 def filter_configs(
     kind: str, configs: list[TileConfig], max_shared_mem: int, block_d: int, elem_bytes: int
 ) -> list[TileConfig]:
-    """Configs of ``configs`` that fit ``max_shared_mem`` (and a register heuristic).
+    """Configs of ``configs`` that fit ``max_shared_mem`` and :func:`registers_ok`, in order.
 
-    Never empty: if nothing fits, the smallest config is kept (it fits 64 KB at D=256, fp32).
+    Never empty: if nothing fits, the config with the smallest shared-memory estimate is kept.
     """
-    kept = [
-        c
-        for c in configs
-        if smem_estimate(kind, c, block_d, elem_bytes) <= max_shared_mem
-        and (_register_ok(kind, c, block_d) or c == _TINY)
-    ]
-    if not kept:
-        kept = [min(configs, key=lambda c: smem_estimate(kind, c, block_d, elem_bytes))]
-    return kept
+    kept = [c for c in configs
+            if smem_estimate(kind, c, block_d, elem_bytes) <= max_shared_mem and registers_ok(kind, c, block_d)]
+    return kept or [min(configs, key=lambda c: smem_estimate(kind, c, block_d, elem_bytes))]
+
+
+def table_row(family: str, elem_bytes: int, block_d: int) -> dict[str, list[TileConfig]]:
+    """The candidates per kernel kind of this family, element size and padded head dim."""
+    if elem_bytes == 4:
+        return FP32_CONFIGS[d_bucket(block_d)]
+    return HALF_CONFIGS[(family, d_bucket(block_d))]
+
+
+def shortlist(kind: str, device: Device, elem_bytes: int, block_d: int) -> list[TileConfig]:
+    """The configs ``kind`` may launch on ``device`` with ``elem_bytes``-byte inputs and padded
+    head dim ``block_d``, best first: one (launch it), or a few (time them once)."""
+    row = table_row(device.family, elem_bytes, block_d)
+    return filter_configs(kind, row[kind], device.max_shared_mem, block_d, elem_bytes)
+
+
+def candidate_configs(kind: str, family: str) -> list[TileConfig]:
+    """Every config ``kind`` may launch on ``family`` (any dtype, any head dim), in table order."""
+    rows = [row for (fam, _), row in HALF_CONFIGS.items() if fam == family] + list(FP32_CONFIGS.values())
+    seen: list[TileConfig] = []
+    for row in rows:
+        seen += [c for c in row[kind] if c not in seen]
+    return seen
 
 
 @functools.lru_cache(maxsize=None)
-def device_info(device_index: int) -> tuple[str, int]:
-    """(architecture family, max shared memory per block in bytes) of a CUDA device."""
+def describe_device(index: int) -> Device:
+    """Name, family and shared memory per block of CUDA device ``index``."""
     import torch
+    import triton
 
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = torch.cuda.get_device_capability(index)
     try:
-        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-        max_smem = int(props["max_shared_mem"])
+        max_smem = int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
     except Exception:  # pragma: no cover - very old/odd drivers
         max_smem = SMEM_CONSUMER
     if major >= 9:
@@ -179,50 +214,14 @@ def device_info(device_index: int) -> tuple[str, int]:
         family = "ampere"
     else:
         family = "consumer"
-    if max_smem < 120 * 1024 and family != "consumer":
+    if max_smem < 120 * 1024:
         family = "consumer"
-    return family, max_smem
+    return Device(torch.cuda.get_device_name(index), family, max_smem)
 
 
-def candidate_configs(kind: str, family: str) -> list[TileConfig]:
-    return list(_ALL[kind][family])
-
-
-def triton_configs(kind: str) -> list[triton.Config]:
-    """Union of all families' configs for ``kind`` (pruned per launch by :func:`make_pruner`)."""
-    seen: list[TileConfig] = []
-    for fam in ("hopper", "ampere", "consumer"):
-        for c in _ALL[kind][fam]:
-            if c not in seen:
-                seen.append(c)
-    return [c.to_triton() for c in seen]
-
-
-def make_pruner(kind: str):
-    """``early_config_prune`` hook: keep this device family's configs that fit its shared memory."""
-
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
-        block_d = int(args["BLOCK_D"])
-        elem_bytes = args["Q"].element_size()
-        family, max_smem = device_info(args["Q"].device.index or 0)
-        wanted = filter_configs(
-            kind, candidate_configs(kind, family), max_smem, block_d, elem_bytes
-        )
-        keep = []
-        for cfg in configs:
-            tc = TileConfig(cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"], cfg.num_warps,
-                            cfg.num_stages)
-            if tc in wanted:
-                keep.append(cfg)
-        return keep or configs[-1:]
-
-    return prune
-
-
-def default_config(kind: str, device, block_d: int, elem_bytes: int) -> TileConfig:
-    """The config launched without autotuning (interpreter, or ``NANOFLASH_AUTOTUNE=0``)."""
+def default_config(kind: str, device, block_d: int, elem_bytes: int, family: str | None = None) -> TileConfig:
+    """The config launched without tuning on torch device ``device`` (the interpreter's on CPU):
+    the first of :func:`shortlist`, for ``family``'s configs when given."""
     if is_interpreter() or device.type != "cuda":
         return INTERPRET_CONFIGS[kind]
-    family, max_smem = device_info(device.index or 0)
-    return filter_configs(kind, candidate_configs(kind, family), max_smem, block_d, elem_bytes)[0]
+    return shortlist(kind, describe_device(device.index or 0).as_family(family), elem_bytes, block_d)[0]

@@ -13,7 +13,12 @@ The key loop is split into three ranges so only blocks that need a mask pay for 
 
 GQA: query head ``h`` reads key/value head ``h // G``. Varlen: ``cu_seqlens`` (N+1,) gives
 document boundaries in a packed (1, total_T, H, D) batch; grid axis 1 runs over documents.
-Pointer arithmetic only (no block pointers / tensor descriptors) so Triton 3.6-3.8 all work.
+
+Dropout (``HAS_DROPOUT``, a constexpr: off, the plain kernel runs): the row sums and the lse use
+the un-dropped probabilities; each tile's probabilities are masked with the keep bits of
+``dropout.dropout_keep`` before the P V product, and the output is scaled by 1 / (1 - p).
+
+Pointer arithmetic only (no block pointers / tensor descriptors) so Triton 3.6-3.9 all work.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import make_pruner, triton_configs
-from .launch import Kernel, launch, next_power_of_2, plan_key, relaunch
+from .dropout import dropout_keep, dropout_threshold, load_rng
+from .launch import LAUNCHER, Kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -57,9 +62,9 @@ def _fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kt, stride_vt,
     offs_m, offs_d, d_mask,
-    lo, hi, seqlen, qk_scale, window,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+    lo, hi, seqlen, qk_scale, window, seed, offset_lo, offset_hi, rng_row0, threshold,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -86,15 +91,18 @@ def _fwd_inner(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, offset_lo, offset_hi, rng_row0, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
         acc = _dot(p.to(v.dtype), v, acc, IEEE)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW"])
+@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS,
-    qk_scale, T, H, G, WINDOW,
+    Q, K, V, O, LSE, CU_SEQLENS, RNG,
+    qk_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -102,7 +110,7 @@ def _attn_fwd_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IEEE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -111,6 +119,11 @@ def _attn_fwd_kernel(
     if IS_CAUSAL:  # longest query blocks (most key blocks) first
         pid_m = tl.num_programs(0) - 1 - pid_m
     i_kvh = i_h // G
+    if HAS_DROPOUT:
+        seed, offset_lo, offset_hi = load_rng(RNG)
+    else:
+        seed, offset_lo, offset_hi = 0, 0, 0
+    rng_row0 = (i_b * H + i_h) * T  # this (sequence, head) plane of the dropout mask
     if IS_VARLEN:  # grid axis 1 runs over documents of the packed (1, total_T) batch
         bos = tl.load(CU_SEQLENS + i_b).to(tl.int64)
         seqlen = (tl.load(CU_SEQLENS + i_b + 1).to(tl.int64) - bos).to(tl.int32)
@@ -161,16 +174,22 @@ def _attn_fwd_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                    offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
-                                   True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                                   seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
+                                   True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
-                               False, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                               seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
+                               False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
-                               True, IS_CAUSAL, HAS_WINDOW, EVEN_D, IEEE, BLOCK_N)
+                               seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
+                               True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        o = acc * (dropout_scale / l_safe)[:, None]
+    else:
+        o = acc / l_safe[:, None]
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural log
     m_mask = offs_m < seqlen
     o_ptrs = (O + o_off + i_h.to(tl.int64) * stride_oh
@@ -180,11 +199,7 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=m_mask)
 
 
-FWD = Kernel("fwd", _attn_fwd_kernel, triton.autotune(
-    configs=triton_configs("fwd"),
-    key=["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "HAS_WINDOW", "IS_VARLEN"],
-    prune_configs_by={"early_config_prune": make_pruner("fwd")},
-)(_attn_fwd_kernel), resident="BLOCK_M")
+FWD = Kernel("fwd", _attn_fwd_kernel, resident="BLOCK_M")
 
 
 def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
@@ -204,11 +219,14 @@ def attn_fwd(
     causal: bool,
     window: int,
     cu_seqlens: torch.Tensor | None,
+    rng: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel.
 
-    q: (B, T, H, D); k, v: (B, T, H_kv, D) with last dim contiguous; window 0 means none.
-    Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log.
+    q: (B, T, H, D); k, v: (B, T, H_kv, D) with last dim contiguous; window 0 means none;
+    rng: the (2,) int64 dropout RNG state (``dropout.draw_dropout_rng``), used when dropout_p > 0.
+    Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log (un-dropped).
     """
     B, T, H, D = q.shape
     o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
@@ -216,23 +234,23 @@ def attn_fwd(
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return o, lse
-    pointers = (q, k, v, o, lse, cu_seqlens)
-    plan = plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-                    softmax_scale, causal, window, n_seq, max_len)
-    if not relaunch(plan, pointers):
-        _launch_fwd(pointers, softmax_scale, causal, window, n_seq, max_len, plan)
+    pointers = (q, k, v, o, lse, cu_seqlens, rng if dropout_p > 0 else None)
+    plan = LAUNCHER.plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+                             softmax_scale, causal, window, dropout_p, n_seq, max_len)
+    if not LAUNCHER.relaunch(plan, pointers):
+        _launch_fwd(pointers, softmax_scale, causal, window, dropout_p, n_seq, max_len, plan)
     return o, lse
 
 
-def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int, n_seq: int,
-                max_len: int, plan: tuple | None) -> None:
+def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int, dropout_p: float,
+                n_seq: int, max_len: int, plan: tuple | None) -> None:
     """Build the forward kernel's arguments from its tensors and launch it (and record ``plan``)."""
-    q, k, v, o, lse, cu_seqlens = pointers
+    q, k, v, o, lse, cu_seqlens, _ = pointers
     B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
     ints = dict(
-        T=T, H=H, G=H // k.shape[2], WINDOW=window,
+        T=T, H=H, G=H // k.shape[2], WINDOW=window, DROPOUT_THRESHOLD=dropout_threshold(dropout_p),
         stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
         stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
         stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
@@ -240,10 +258,10 @@ def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int
         T_BUCKET=next_power_of_2(max_len),
         HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-        IEEE=q.dtype == torch.float32,
+        HAS_DROPOUT=dropout_p > 0, IEEE=q.dtype == torch.float32,
     )
-    launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS"), pointers)),
-           dict(qk_scale=softmax_scale * LOG2E), ints, q.device, plan)
+    LAUNCHER.launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS", "RNG"), pointers)),
+                    dict(qk_scale=softmax_scale * LOG2E, dropout_scale=1.0 / (1.0 - dropout_p)), ints, q.device, plan)
 
 
 def default_scale(head_dim: int) -> float:

@@ -1,15 +1,17 @@
-"""Flash attention as ``torch.library`` custom ops, with autograd, and the public function.
+"""Flash attention: one ``torch.library`` op pair, one ``autograd.Function``, the public function.
 
-``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` are opaque to ``torch.compile``
-(they have fake implementations for tracing), so a model that calls :func:`flash_attn` compiles
-with ``fullgraph=True`` and no graph break; the Triton kernels run eagerly inside them. The same
-ops run under ``TRITON_INTERPRET=1`` on CPU tensors.
+``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` are defined with
+``torch.library.define`` + ``torch.library.impl`` (one implementation for every device: CUDA, or
+CPU under ``TRITON_INTERPRET=1``) and have fake implementations, so ``torch.compile`` treats them
+as opaque calls and a model that calls :func:`flash_attn` compiles with ``fullgraph=True`` and no
+graph break. Autograd is one ``torch.autograd.Function`` around them (not the ops' own
+``register_autograd``): eager calls and compiled graphs take the same path, and an eager call
+pays one cheap dispatcher boundary per op instead of ``custom_op``'s Python autograd layer
+(FlashAttention's ``flash_attn_interface.py`` is built the same way).
 
-Outside ``torch.compile`` :func:`flash_attn` calls the same launch functions through a plain
-``torch.autograd.Function``: the custom-op dispatch costs tens of microseconds of CPU per call,
-which shows on short sequences where one attention call takes ~0.1 ms of GPU time.
-
-Saved for backward: q, k, v, o (B, T, H, D) and lse (B, H, T) float32 -- O(T) memory, no T x T.
+Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32, cu_seqlens and, with dropout,
+the (2,) int64 RNG state the forward drew (``dropout.py``) -- O(T) memory, no T x T: the backward
+regenerates the dropout mask from it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import torch
 
 from .backward import attn_bwd
+from .dropout import draw_dropout_rng
 from .forward import attn_fwd
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,98 +41,72 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_t: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing (cumulative document lengths)")
 
 
-def checked_forward(q, k, v, cu_seqlens, softmax_scale: float, causal: bool, window: int):
-    """``attn_fwd`` after the cu_seqlens value checks (shared by every op and eager path)."""
+def define_op(name: str, schema: str, impl, fake):
+    """Define ``nanoflash::<name>`` with ``schema``, ``impl`` as its implementation for every device
+    (CUDA, or CPU under the interpreter) and ``fake`` for tracing; returns its overload (calling
+    the overload skips the packet's lookup on every call)."""
+    qualname = f"nanoflash::{name}"
+    torch.library.define(qualname, schema)
+    torch.library.impl(qualname, "default", impl)
+    torch.library.register_fake(qualname)(fake)
+    return getattr(torch.ops.nanoflash, name).default
+
+
+def checked_forward(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
+    """``attn_fwd`` after the cu_seqlens value checks: o (B, T, H, D) in q.dtype, lse (B, H, T)
+    float32 natural log; window 0 = none. The implementation of both forward ops."""
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, q.shape[1])
-    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens)
+    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, rng, dropout_p)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """o (B, T, H, D) in q.dtype, lse (B, H, T) float32 natural log; window 0 = none."""
-    return checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
-
-
-@flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, cu_seqlens, softmax_scale, causal, window):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
     B, T, H, D = q.shape
     return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
     """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
-    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse)
+    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse, rng, dropout_p)
 
 
-@flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, softmax_scale, causal, window):
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, softmax_scale, causal, window = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.window = window
-    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+flash_attn_fwd = define_op(
+    "flash_attn_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, Tensor? rng, float softmax_scale, bool causal,"
+    " int window, float dropout_p) -> (Tensor, Tensor)",
+    checked_forward, _flash_attn_fwd_fake)
+flash_attn_bwd = define_op(
+    "flash_attn_bwd",
+    "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens,"
+    " Tensor? rng, float softmax_scale, bool causal, int window, float dropout_p) -> (Tensor, Tensor, Tensor)",
+    _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, ctx.softmax_scale,
-                                ctx.causal, ctx.window)
-    return dq, dk, dv, None, None, None, None
-
-
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FlashAttnFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same kernels, same saved tensors, less dispatch)."""
+class FlashAttnFunction(torch.autograd.Function):
+    """Autograd of :func:`flash_attn`: the forward op, then the backward op on the saved tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, softmax_scale, causal, window):
-        o, lse = checked_forward(q, k, v, cu_seqlens, softmax_scale, causal, window)
-        _setup_context(ctx, (q, k, v, cu_seqlens, softmax_scale, causal, window), (o, lse))
+    def forward(ctx, q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
+        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng)
+        ctx.options = (softmax_scale, causal, window, dropout_p)
+        ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        q, k, v, o, lse, cu_seqlens, rng = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.softmax_scale, ctx.causal, ctx.window,
-                              cu_seqlens, dlse)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens) -> None:
+def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"flash_attn: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -183,6 +160,8 @@ def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens) -> None:
             raise ValueError(
                 f"flash_attn: with cu_seqlens pack the documents into batch 1 "
                 f"(q: (1, total_T, H, D)); got B={B}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"flash_attn: dropout_p must be a float in [0, 1), got {dropout_p!r}")
 
 
 def flash_attn(
@@ -194,6 +173,7 @@ def flash_attn(
     window_size: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ):
     """Flash attention (Triton), differentiable in q, k, v.
 
@@ -207,6 +187,12 @@ def flash_attn(
         cu_seqlens: None or int32 (N+1,) cumulative document lengths of a packed batch
             (B must be 1, cu_seqlens[-1] == T); attention never crosses a document boundary.
         return_lse: also return the log-sum-exp of each row's scaled scores.
+        dropout_p: probability in [0, 1) of dropping each attention probability (the kept ones
+            are scaled by 1 / (1 - p); the lse stays that of the un-dropped scores). The mask is
+            drawn from torch's generator of q's device (``torch.manual_seed`` repeats it; each
+            replay of a captured CUDA graph draws a new one) and regenerated in the backward.
+            Apply it in training only: this function does not know the module's mode. 0 runs the
+            plain kernels.
 
     Returns:
         o: (B, T, H, D), q's dtype (contiguous); and, if return_lse, lse: (B, H, T) float32 in
@@ -215,13 +201,11 @@ def flash_attn(
     T and H strides may be arbitrary; a non-contiguous last dim is copied. Runs on CUDA, or on CPU
     under TRITON_INTERPRET=1. Raises ValueError on invalid inputs.
     """
-    _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens)
+    _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    args = (q, k, v, cu_seqlens, float(softmax_scale), bool(causal), int(window_size or 0))
-    if torch.compiler.is_compiling():
-        o, lse = flash_attn_fwd(*args)  # opaque custom op: no graph break
-    else:
-        o, lse = _FlashAttnFunction.apply(*args)
+    rng = draw_dropout_rng(q.device) if dropout_p > 0 else None
+    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, float(softmax_scale), bool(causal),
+                                     int(window_size or 0), float(dropout_p))
     return (o, lse) if return_lse else o

@@ -1,42 +1,50 @@
-"""Launching the flash-attention kernels: the autotuned config, and a cache of compiled kernels.
+"""Launching the flash-attention kernels: one :class:`Launcher` owns the configs picked and the plans.
 
 ``kernel[grid](**kwargs)`` makes Triton bind every keyword argument (about 45 here), work out how
 each specialises the binary and build a cache key, on every call. That host time is the floor of
-a short sequence's forward+backward (docs/KERNEL.md). After the first launch of a *launch key* we
-keep the compiled kernel that launch returned and call it with positional arguments through
-``CompiledKernel[grid](*args)`` (the same call in triton 3.6, 3.7 and 3.8).
+a short sequence's forward+backward (docs/KERNEL.md). So each call site (forward, dQ, dK/dV) keeps
+a *plan*: a cheap key of what its launch arguments are computed from (shapes, strides, dtypes,
+scale, flags; see :meth:`Launcher.plan_key`), mapped to the compiled kernel bound to its grid and
+every argument after the pointers. :meth:`Launcher.relaunch` replays a plan with the new call's
+pointers through ``CompiledKernel[grid](*args)`` (the same call in triton 3.6 to 3.9); the call
+site builds its arguments and goes through Triton's own launch only when it has no plan yet.
 
-Call sites pass the kernel's arguments in three groups: ``pointers`` (tensors or None), ``scales``
-(floats, runtime values of every binary) and ``ints`` (every other argument: sizes, strides, flags,
-constexprs). The launch key is a superset of what Triton specialises a binary on: the ints by value,
-each pointer by dtype and 16-byte alignment, the device, and whether autotuning is on. The same key
-therefore always means the same binary.
+A plan stands for exactly the binary Triton's own launch would pick: the plan key holds every value
+the integer arguments are derived from (Triton specialises those on ``== 1`` and divisibility by
+16), the pointers' dtypes and device, whether autotuning is on and the family forced; a plan is
+recorded only when every pointer is 16-byte aligned (the other alignment Triton specialises on),
+so a misaligned call always takes Triton's own path.
 
-Building those three groups (about 45 values) and the launch key is itself most of the host time
-left, so each call site also keeps a *plan*: a cheap key of what the groups are computed from
-(shapes, strides, dtypes, flags; see :func:`plan_key`), mapped to the compiled kernel bound to its
-grid and every argument after the pointers. :func:`relaunch` replays a plan with new pointers, and
-the call site builds the groups only when it has no plan yet. A plan is recorded only for inputs
-whose every pointer is 16-byte aligned, so it always matches the binary the launch key would pick.
+Configs (``configs.shortlist``): most (GPU family, dtype, head dim) have one candidate, launched
+at once. Where there are more, the first call of each *tuning key* (the kernel, ``T_BUCKET`` =
+next_power_of_2(longest sequence), every constexpr but the tiles, the pointers' dtypes, the
+device) times them (:func:`time_configs`), and the pick is kept in memory and on disk
+(``tune_cache.py``, keyed also by GPU name, Triton version, kernel source and candidate list), so
+the next process reads it instead of tuning. A tune or a first compilation that takes longer
+than ``notice_after_s`` says so on stderr, once.
 
-Two switches, read from the environment once when the kernels are imported (tests and benchmarks
-set the attributes directly): ``NANOFLASH_LAUNCH_CACHE=0`` turns the cache off, so every call goes
-through Triton's own path (for comparisons, and as an escape hatch); ``NANOFLASH_AUTOTUNE=0`` skips
-tuning and launches the first config that fits (the GPU test matrix uses it to bound compile time).
-Under ``TRITON_INTERPRET=1`` both are off.
+The settings are attributes of ``LAUNCHER``: ``autotune`` (off: launch the first candidate, as
+tests do), ``replay`` (off: every call goes through Triton's launch, for comparisons),
+``cache_dir`` (where picks are kept; None: nowhere), ``family`` (launch another GPU family's
+configs: tests force "consumer" on an H100). Under ``TRITON_INTERPRET=1`` autotune and replay are
+off: the interpreter neither times configs nor returns binaries.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import functools
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from .configs import TileConfig, default_config, is_interpreter
+from . import tune_cache
+from .configs import TileConfig, default_config, describe_device, is_interpreter, shortlist
 
-_TUNED: dict[tuple, TileConfig] = {}  # autotune key -> config the autotuner picked
-_COMPILED: dict[tuple, tuple] = {}  # launch key -> (compiled kernel, its TileConfig)
-_PLANS: dict[tuple, tuple] = {}  # plan key -> (compiled kernel bound to its grid, arguments after the pointers)
-_MAX_COMPILED = 4096  # bound the cache when T keeps changing (sampling grows T one token at a time)
+KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+TILE_NAMES = ("BLOCK_M", "BLOCK_N")
 
 
 def next_power_of_2(n: int) -> int:
@@ -49,116 +57,238 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-AUTOTUNE = not is_interpreter() and os.environ.get("NANOFLASH_AUTOTUNE", "1") != "0"
-LAUNCH_CACHE = not is_interpreter() and os.environ.get("NANOFLASH_LAUNCH_CACHE", "1") != "0"
-
-
 @dataclass(frozen=True)
 class Kernel:
-    """One of our Triton kernels: its JIT function, its autotuned wrapper, and which tile size grid
-    axis 0 steps by (the block that stays resident: key rows for dK/dV, query rows otherwise)."""
+    """One of our Triton kernels: its JIT function, and which tile size grid axis 0 steps by (the
+    block that stays resident: key rows for dK/dV, query rows otherwise)."""
 
     kind: str  # "fwd", "dq" or "dkdv"
     jit: object
-    tuned: object
     resident: str  # "BLOCK_M" or "BLOCK_N"
 
-
-def launch_key(kernel: Kernel, pointers: dict, ints: dict, device, tuning: bool) -> tuple:
-    """What decides the compiled binary (see the module docstring)."""
-    aligned = [None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in pointers.values()]
-    return (kernel.kind, tuning, device, tuple(ints.values()), tuple(aligned))
-
-
-def plan_key(kind: str, pointers: tuple, *derived) -> tuple | None:
-    """Key of a call site's plan: ``kind``, the pointers' dtypes (None for absent ones), their
-    device, and ``derived``: every value the call site computes the other launch arguments from.
-
-    None (no plan) when the cache is off or a pointer is not 16-byte aligned."""
-    if not LAUNCH_CACHE:
-        return None
-    address_bits = 0
-    for t in pointers:
-        if t is not None:
-            address_bits |= t.data_ptr()
-    if address_bits & 15:
-        return None
-    dtypes = tuple(None if t is None else t.dtype for t in pointers)
-    return (kind, AUTOTUNE, pointers[0].device, dtypes, *derived)
-
-
-def relaunch(plan: tuple | None, pointers: tuple) -> bool:
-    """Launch the kernel recorded under ``plan`` with these pointers; False if there is none yet."""
-    recorded = _PLANS.get(plan) if plan is not None else None
-    if recorded is None:
-        return False
-    bound, rest = recorded
-    bound(*pointers, *rest)
-    return True
-
-
-def _remember(cache: dict, key: tuple, value) -> None:
-    if len(cache) >= _MAX_COMPILED:
-        cache.clear()
-    cache[key] = value
-
-
-def _record_plan(plan: tuple, kernel: Kernel, compiled, grid: tuple, pointers: dict, args: dict) -> None:
-    names = kernel.jit.arg_names
-    assert list(pointers) == names[:len(pointers)], f"{kernel.kind}: pointers must lead the signature"
-    _remember(_PLANS, plan, (compiled[grid], tuple(args[name] for name in names[len(pointers):])))
+    @functools.cached_property
+    def key_names(self) -> tuple[str, ...]:
+        """The arguments a pick depends on: ``T_BUCKET`` and every constexpr but the tile sizes."""
+        return ("T_BUCKET", *(p.name for p in self.jit.params if p.is_constexpr and p.name not in TILE_NAMES))
 
 
 def _grid(block: int, grid_rows: int, grid_yz: tuple[int, int]) -> tuple[int, int, int]:
     return (ceil_div(grid_rows, block), *grid_yz)
 
 
-def _tuned_config(kernel: Kernel, grid_rows: int, grid_yz: tuple[int, int], args: dict, device) -> TileConfig | None:
-    """The autotuner's pick for these arguments; None after a first call, which tuned and launched."""
-    key = (kernel.kind, args["T_BUCKET"], args["HEAD_DIM"], args["IS_CAUSAL"], args["HAS_WINDOW"],
-           args["IS_VARLEN"], args["Q"].dtype, device.index)
-    cfg = _TUNED.get(key)
-    if cfg is not None:
-        return cfg
-    kernel.tuned[lambda meta: _grid(meta[kernel.resident], grid_rows, grid_yz)](**args)
-    best = kernel.tuned.best_config
-    _TUNED[key] = TileConfig(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-    return None
+def _with_tiles(args: dict, cfg: TileConfig) -> dict:
+    return {**args, "BLOCK_M": cfg.BLOCK_M, "BLOCK_N": cfg.BLOCK_N}
 
 
-def launch(kernel: Kernel, grid_rows: int, grid_yz: tuple[int, int], pointers: dict, scales: dict, ints: dict,
-           device, plan: tuple | None = None) -> None:
-    """Launch ``kernel`` over ``grid_rows`` rows (grid axis 0, in tiles) and ``grid_yz`` (axes 1, 2).
+def time_configs(kernel: Kernel, candidates: list[TileConfig], grid_rows: int, grid_yz: tuple[int, int],
+                 args: dict) -> dict[TileConfig, float]:
+    """Median milliseconds of one launch of ``kernel`` on ``args`` with each candidate
+    (``triton.testing.do_bench``); inf for one that does not fit the device. The candidates are
+    compiled side by side first (Triton releases the GIL while it compiles), so a tune costs about
+    one compilation, not one per candidate. The kernels only write their outputs, so running them
+    again and again is harmless."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    The config is the autotuner's pick (tuned on the first call per autotune key), or the first
-    fitting default when ``AUTOTUNE`` is off. With a ``plan`` key (from :func:`plan_key`), the
-    launch is recorded for :func:`relaunch`.
-    """
-    tuning, caching = AUTOTUNE, LAUNCH_CACHE
-    key = launch_key(kernel, pointers, ints, device, tuning) if caching else None
-    cached = _COMPILED.get(key) if caching else None
-    args = {**pointers, **scales, **ints}
-    if cached is not None:
-        compiled, cfg = cached
-        args["BLOCK_M"], args["BLOCK_N"] = cfg.BLOCK_M, cfg.BLOCK_N
+    import torch
+    from triton.runtime.errors import OutOfResources
+    from triton.testing import do_bench
+
+    calls = {cfg: (_grid(getattr(cfg, kernel.resident), grid_rows, grid_yz), _with_tiles(args, cfg),
+                   {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}) for cfg in candidates}
+
+    def compile_alone(cfg: TileConfig) -> None:
+        grid, cfg_args, options = calls[cfg]
+        with torch.cuda.device(args["Q"].device):  # a new thread starts on device 0
+            try:
+                kernel.jit.warmup(grid=grid, **cfg_args, **options)
+            except OutOfResources:
+                pass  # timed as inf below
+
+    with ThreadPoolExecutor(len(candidates)) as pool:
+        list(pool.map(compile_alone, candidates))
+    timings = {}
+    for cfg, (grid, cfg_args, options) in calls.items():
+        try:
+            timings[cfg] = do_bench(lambda: kernel.jit[grid](**cfg_args, **options), return_mode="median")
+        except OutOfResources:
+            timings[cfg] = float("inf")
+    return timings
+
+
+class SlowNotice:
+    """``with SlowNotice(after_s, message):`` prints ``message`` to stderr once if the body is still
+    running ``after_s`` seconds after it began (from a timer thread, so a user waiting on a long
+    compilation reads why), or took that long in the end."""
+
+    def __init__(self, after_s: float, message: str):
+        self.after_s = after_s
+        self.message = message
+        self.said = False
+        self._lock = threading.Lock()
+
+    def say(self) -> None:
+        with self._lock:
+            if self.said:
+                return
+            self.said = True
+        print(self.message, file=sys.stderr, flush=True)
+
+    def __enter__(self) -> SlowNotice:
+        self._start = time.perf_counter()
+        self._timer = threading.Timer(self.after_s, self.say)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+        self._timer.join()
+        if time.perf_counter() - self._start >= self.after_s:
+            self.say()
+
+
+class Launcher:
+    """Launches the kernels; owns the configs picked, the launch plans and the settings (module
+    docstring)."""
+
+    def __init__(self, autotune: bool, replay: bool, max_plans: int = 4096,
+                 cache_dir: Path | None = None, family: str | None = None,
+                 tuner=time_configs, notice_after_s: float = 2.0):
+        self.autotune = autotune
+        self.replay = replay
+        self.max_plans = max_plans  # bounds the plans when T keeps changing (sampling grows T by one)
+        self.cache_dir = cache_dir  # where tuning picks are kept between processes; None: nowhere
+        self.family = family  # None: the device's own GPU family; else that family's configs
+        self.tuner = tuner  # (kernel, candidates, grid_rows, grid_yz, args) -> {config: ms}
+        self.notice_after_s = notice_after_s
+        self.tuned: dict[tuple, TileConfig] = {}  # tuning key -> config launched (autotune on)
+        self.plans: dict[tuple, tuple] = {}  # plan key -> (kernel bound to its grid, args after the pointers)
+        self.compiled: set[tuple] = set()  # (tuning key, config) launched through Triton at least once
+
+    def clear(self) -> None:
+        self.tuned.clear()
+        self.plans.clear()
+        self.compiled.clear()
+
+    def plan_key(self, kind: str, pointers: tuple, *derived) -> tuple | None:
+        """Key of a call site's plan: ``kind``, the pointers' dtypes (None for absent ones), their
+        device, whether autotuning is on, the family forced (if any), and ``derived``: every value
+        the call site computes the other launch arguments from. None (no plan) when replay is off
+        or a pointer is not 16-byte aligned."""
+        if not self.replay:
+            return None
+        address_bits = 0
+        for t in pointers:
+            if t is not None:
+                address_bits |= t.data_ptr()
+        if address_bits & 15:
+            return None
+        dtypes = tuple(None if t is None else t.dtype for t in pointers)
+        return (kind, self.autotune, self.family, pointers[0].device, dtypes, *derived)
+
+    def relaunch(self, plan: tuple | None, pointers: tuple) -> bool:
+        """Launch the kernel recorded under ``plan`` with these pointers; False if there is none yet."""
+        recorded = self.plans.get(plan) if plan is not None else None
+        if recorded is None:
+            return False
+        bound, rest = recorded
+        bound(*pointers, *rest)
+        return True
+
+    def launch(self, kernel: Kernel, grid_rows: int, grid_yz: tuple[int, int], pointers: dict, scales: dict,
+               ints: dict, device, plan: tuple | None = None) -> None:
+        """Launch ``kernel`` over ``grid_rows`` rows (grid axis 0, in tiles) and ``grid_yz`` (axes 1, 2)
+        through Triton's own launch, and record the binary under ``plan`` (from :meth:`plan_key`).
+
+        The config is the first candidate with ``autotune`` off, else :meth:`pick`'s.
+        """
+        args = {**pointers, **scales, **ints}
+        on_gpu = device.type == "cuda" and not is_interpreter()
+        key = self.tuning_key(kernel, pointers, args, device) if on_gpu else None
+        if self.autotune and on_gpu:
+            cfg = self.pick(kernel, key, grid_rows, grid_yz, args, device)
+        else:
+            cfg = default_config(kernel.kind, device, ints["BLOCK_D"], pointers["Q"].element_size(), self.family)
+        args = _with_tiles(args, cfg)
         grid = _grid(getattr(cfg, kernel.resident), grid_rows, grid_yz)
-        compiled[grid](*[args[name] for name in kernel.jit.arg_names])
-        if plan is not None:
-            _record_plan(plan, kernel, compiled, grid, pointers, args)
-        return
-    if tuning:
-        cfg = _tuned_config(kernel, grid_rows, grid_yz, args, device)
-        if cfg is None:
+        notice = nullcontext()
+        if on_gpu and (key, cfg) not in self.compiled:  # Triton may compile: say so if it takes long
+            self.compiled.add((key, cfg))
+            notice = SlowNotice(self.notice_after_s, f"nanoflash: compiling the {describe(kernel, args, False)} "
+                                                     f"({cfg}); once per shape, Triton keeps the binary")
+        with notice:
+            compiled = kernel.jit[grid](**args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if plan is None:
             return
-    else:
-        cfg = default_config(kernel.kind, device, ints["BLOCK_D"], pointers["Q"].element_size())
-    grid = _grid(getattr(cfg, kernel.resident), grid_rows, grid_yz)
-    compiled = kernel.jit[grid](
-        **args, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if caching:
         if hasattr(compiled, "result"):  # a compile future (triton's async compile mode)
             compiled = compiled.result()
-        _remember(_COMPILED, key, (compiled, cfg))
-        if plan is not None:
-            args["BLOCK_M"], args["BLOCK_N"] = cfg.BLOCK_M, cfg.BLOCK_N
-            _record_plan(plan, kernel, compiled, grid, pointers, args)
+        names = kernel.jit.arg_names
+        assert list(pointers) == names[:len(pointers)], f"{kernel.kind}: pointers must lead the signature"
+        if len(self.plans) >= self.max_plans:
+            self.plans.clear()
+        self.plans[plan] = (compiled[grid], tuple(args[name] for name in names[len(pointers):]))
+
+    def tuning_key(self, kernel: Kernel, pointers: dict, args: dict, device) -> tuple:
+        """What a pick depends on: the kernel, :attr:`Kernel.key_names`' values, the pointers' dtypes
+        (None for absent ones), the device and the family forced (if any)."""
+        dtypes = tuple(None if t is None else t.dtype for t in pointers.values())
+        return (kernel.kind, device.index, self.family, *(args[name] for name in kernel.key_names), dtypes)
+
+    def pick(self, kernel: Kernel, key: tuple, grid_rows: int, grid_yz: tuple[int, int], args: dict,
+             device) -> TileConfig:
+        """The config for ``key``: remembered, the only candidate, read from disk, or timed now."""
+        cfg = self.tuned.get(key)
+        if cfg is not None:
+            return cfg
+        gpu = describe_device(device.index or 0).as_family(self.family)
+        candidates = shortlist(kernel.kind, gpu, args["Q"].element_size(), args["BLOCK_D"])
+        if len(candidates) > 1:
+            cfg = self._stored_or_tuned(kernel, gpu, candidates, grid_rows, grid_yz, args)
+        else:
+            cfg = candidates[0]
+        self.tuned[key] = cfg
+        return cfg
+
+    def disk_key(self, kernel: Kernel, gpu, candidates: list[TileConfig], args: dict) -> dict:
+        """The key of a pick on disk: what :meth:`tuning_key` holds (but the device index), the GPU's
+        name, the Triton version, a hash of the kernel's source and the candidates."""
+        import triton
+
+        return {"kernel": kernel.kind, "gpu": gpu.name, "family": gpu.family, "triton": triton.__version__,
+                "source": kernel.jit.cache_key, "candidates": [str(c) for c in candidates],
+                "args": {name: args[name] for name in kernel.key_names},
+                "dtypes": [str(t.dtype) for t in args.values() if hasattr(t, "dtype")]}
+
+    def _stored_or_tuned(self, kernel: Kernel, gpu, candidates: list[TileConfig], grid_rows: int,
+                         grid_yz: tuple[int, int], args: dict) -> TileConfig:
+        key = self.disk_key(kernel, gpu, candidates, args)
+        stored = None
+        if self.cache_dir is not None:
+            stored = tune_cache.load(self.cache_dir, key, [asdict(c) for c in candidates])
+        if stored is not None:
+            return TileConfig(**stored)
+        kept = (f"the pick will be cached at {tune_cache.entry_path(self.cache_dir, key)}" if self.cache_dir is not None
+                else "the pick is kept for this process only (no cache_dir)")
+        start = time.perf_counter()
+        with SlowNotice(self.notice_after_s, f"nanoflash: tuning the {describe(kernel, args)}: compiling and timing "
+                                             f"{len(candidates)} configs, once per GPU and shape; {kept}"):
+            timings = self.tuner(kernel, candidates, grid_rows, grid_yz, args)
+        best = min(timings, key=timings.get)
+        if timings[best] == float("inf"):
+            raise RuntimeError(f"nanoflash: no config of the {describe(kernel, args)} fits this GPU: "
+                               f"{', '.join(map(str, candidates))}")
+        if self.cache_dir is not None:
+            tune_cache.store(self.cache_dir, key, {
+                "pick": asdict(best), "seconds": round(time.perf_counter() - start, 3),
+                "timings_ms": {str(c): ms for c, ms in timings.items()}})
+        return best
+
+
+def describe(kernel: Kernel, args: dict, with_length: bool = True) -> str:
+    """E.g. 'dK/dV kernel for bfloat16, D=128, T<=2048': what is compiled or tuned."""
+    dtype = str(args["Q"].dtype).removeprefix("torch.")
+    length = f", T<={args['T_BUCKET']}" if with_length else ""
+    return f"{KERNEL_NAMES[kernel.kind]} kernel for {dtype}, D={args['HEAD_DIM']}{length}"
+
+
+LAUNCHER = Launcher(autotune=not is_interpreter(), replay=not is_interpreter(), cache_dir=tune_cache.default_folder())

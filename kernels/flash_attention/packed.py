@@ -7,8 +7,13 @@ of a (B, T, H + 2 * H_kv, D) tensor per layer. :func:`flash_attn_qkvpacked` take
 tensor and its backward writes dq, dk and dv straight into one gradient buffer of the same shape
 (the kernels take any T and H strides), so there is nothing to concatenate.
 
-Same kernels, same saved tensors, same numerics as :func:`flash_attn`; custom ops with fake
-implementations for ``torch.compile`` and an ``autograd.Function`` twin for eager calls, as there.
+Same kernels and numerics as :func:`flash_attn`, and the same host path: one op pair,
+``nanoflash::flash_attn_qkvpacked_fwd`` / ``_bwd`` (``torch.library.define`` + ``impl``, with fake
+implementations; the ops take qkv whole, so a compiled graph hands the kernels the projection's
+buffer as it is), called by one ``autograd.Function`` in eager calls and compiled graphs alike.
+
+Saved for backward: qkv, o (B, T, n_head, D), lse (B, n_head, T) float32, cu_seqlens and, with
+dropout, the (2,) int64 RNG state the forward drew.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 
 from .backward import attn_bwd
 from .forward import default_scale
-from .function import _validate, checked_forward
+from .dropout import draw_dropout_rng
+from .function import _validate, checked_forward, define_op
 
 
 def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -26,87 +32,59 @@ def split_qkv(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tenso
     return qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_fwd", mutates_args=())
-def flash_attn_qkvpacked_fwd(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-    n_head: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_attn_qkvpacked_fwd(qkv, cu_seqlens, rng, softmax_scale, causal, window, dropout_p, n_head):
     """o (B, T, n_head, D) in qkv.dtype, lse (B, n_head, T) float32 natural log; window 0 = none."""
-    return checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
+    return checked_forward(*split_qkv(qkv, n_head), cu_seqlens, rng, softmax_scale, causal, window, dropout_p)
 
 
-@flash_attn_qkvpacked_fwd.register_fake
-def _flash_attn_qkvpacked_fwd_fake(qkv, cu_seqlens, softmax_scale, causal, window, n_head):
+def _flash_attn_qkvpacked_fwd_fake(qkv, cu_seqlens, rng, softmax_scale, causal, window, dropout_p, n_head):
     B, T, _, D = qkv.shape
     return qkv.new_empty((B, T, n_head, D)), qkv.new_empty((B, n_head, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_qkvpacked_bwd", mutates_args=())
-def flash_attn_qkvpacked_bwd(
-    do: torch.Tensor,
-    qkv: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    window: int,
-    n_head: int,
-) -> torch.Tensor:
+def _flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, rng, softmax_scale, causal, window, dropout_p,
+                              n_head):
     """dqkv, contiguous, shaped like qkv: dq, dk and dv side by side along the heads axis."""
-    return _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head)
-
-
-@flash_attn_qkvpacked_bwd.register_fake
-def _flash_attn_qkvpacked_bwd_fake(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head):
-    return qkv.new_empty(qkv.shape)
-
-
-def _gradient(do, qkv, o, lse, dlse, cu_seqlens, softmax_scale, causal, window, n_head) -> torch.Tensor:
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-    attn_bwd(do, *split_qkv(qkv, n_head), o, lse, softmax_scale, causal, window, cu_seqlens, dlse,
+    attn_bwd(do, *split_qkv(qkv, n_head), o, lse, softmax_scale, causal, window, cu_seqlens, dlse, rng, dropout_p,
              out=split_qkv(dqkv, n_head))
     return dqkv
 
 
-def _setup_context(ctx, inputs, output):
-    qkv, cu_seqlens, softmax_scale, causal, window, n_head = inputs
-    o, lse = output
-    ctx.save_for_backward(qkv, o, lse, cu_seqlens)
-    ctx.options = (softmax_scale, causal, window, n_head)
-    ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
+def _flash_attn_qkvpacked_bwd_fake(do, qkv, *args):
+    return qkv.new_empty(qkv.shape)
 
 
-def _backward(ctx, do, dlse):
-    qkv, o, lse, cu_seqlens = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(o)
-    return flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
+flash_attn_qkvpacked_fwd = define_op(
+    "flash_attn_qkvpacked_fwd",
+    "(Tensor qkv, Tensor? cu_seqlens, Tensor? rng, float softmax_scale, bool causal, int window, float dropout_p,"
+    " int n_head) -> (Tensor, Tensor)",
+    _flash_attn_qkvpacked_fwd, _flash_attn_qkvpacked_fwd_fake)
+flash_attn_qkvpacked_bwd = define_op(
+    "flash_attn_qkvpacked_bwd",
+    "(Tensor do, Tensor qkv, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens, Tensor? rng,"
+    " float softmax_scale, bool causal, int window, float dropout_p, int n_head) -> Tensor",
+    _flash_attn_qkvpacked_bwd, _flash_attn_qkvpacked_bwd_fake)
 
 
-flash_attn_qkvpacked_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _FlashAttnQKVPackedFunction(torch.autograd.Function):
-    """Eager-mode twin of the custom op (same kernels, same saved tensors, less dispatch)."""
+class FlashAttnQKVPackedFunction(torch.autograd.Function):
+    """Autograd of :func:`flash_attn_qkvpacked`: the forward op, then one gradient for qkv."""
 
     @staticmethod
-    def forward(ctx, qkv, cu_seqlens, softmax_scale, causal, window, n_head):
-        o, lse = checked_forward(*split_qkv(qkv, n_head), cu_seqlens, softmax_scale, causal, window)
-        _setup_context(ctx, (qkv, cu_seqlens, softmax_scale, causal, window, n_head), (o, lse))
+    def forward(ctx, qkv, cu_seqlens, rng, softmax_scale, causal, window, dropout_p, n_head):
+        o, lse = flash_attn_qkvpacked_fwd(qkv, cu_seqlens, rng, softmax_scale, causal, window, dropout_p, n_head)
+        ctx.save_for_backward(qkv, o, lse, cu_seqlens, rng)
+        ctx.options = (softmax_scale, causal, window, dropout_p, n_head)
+        ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        qkv, o, lse, cu_seqlens = ctx.saved_tensors
+        qkv, o, lse, cu_seqlens, rng = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        return _gradient(do, qkv, o, lse, dlse, cu_seqlens, *ctx.options), None, None, None, None, None
+        dqkv = flash_attn_qkvpacked_bwd(do, qkv, o, lse, dlse, cu_seqlens, rng, *ctx.options)
+        return dqkv, None, None, None, None, None, None, None
 
 
 def flash_attn_qkvpacked(
@@ -117,6 +95,7 @@ def flash_attn_qkvpacked(
     window_size: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ):
     """:func:`flash_attn` of the q, k and v packed side by side in ``qkv``, differentiable in qkv.
 
@@ -124,7 +103,8 @@ def flash_attn_qkvpacked(
         qkv: (B, T, n_head + 2 * H_kv, D): the query heads, then the key heads, then the value
             heads (a fused projection's output viewed with a heads axis); n_head % H_kv == 0.
         n_head: number of query heads.
-        causal, softmax_scale, window_size, cu_seqlens, return_lse: as in :func:`flash_attn`.
+        causal, softmax_scale, window_size, cu_seqlens, return_lse, dropout_p: as in :func:`flash_attn`
+            (the same dropout mask for the same seed).
 
     Returns:
         o: (B, T, n_head, D), qkv's dtype; and, if return_lse, lse: (B, n_head, T) float32.
@@ -137,13 +117,11 @@ def flash_attn_qkvpacked(
         raise ValueError(
             f"flash_attn_qkvpacked: qkv's heads axis ({qkv.shape[2]}) must hold n_head ({n_head!r}) query "
             "heads followed by two equal groups of key and value heads")
-    _validate(*split_qkv(qkv, n_head), causal, softmax_scale, window_size, cu_seqlens)
+    _validate(*split_qkv(qkv, n_head), causal, softmax_scale, window_size, cu_seqlens, dropout_p)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale = default_scale(qkv.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    args = (qkv, cu_seqlens, scale, bool(causal), int(window_size or 0), n_head)
-    if torch.compiler.is_compiling():
-        o, lse = flash_attn_qkvpacked_fwd(*args)  # opaque custom op: no graph break
-    else:
-        o, lse = _FlashAttnQKVPackedFunction.apply(*args)
+    rng = draw_dropout_rng(qkv.device) if dropout_p > 0 else None
+    o, lse = FlashAttnQKVPackedFunction.apply(qkv, cu_seqlens, rng, scale, bool(causal), int(window_size or 0),
+                                              float(dropout_p), n_head)
     return (o, lse) if return_lse else o

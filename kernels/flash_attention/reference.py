@@ -46,13 +46,18 @@ def attention_ref(
     window_size: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = torch.float64,
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention.
 
     q: (B, T, H, D); k, v: (B, T, H_kv, D), H % H_kv == 0 (GQA: head h uses kv head h // G).
     compute_dtype: dtype of the matmuls (None: the inputs' dtype); the softmax runs in at least
-    float32. Returns o: (B, T, H, D) in compute_dtype and lse: (B, H, T) (natural log) in at least
-    float32. Differentiable (autograd through plain ops).
+    float32. dropout_p > 0: the probabilities are multiplied by keep / (1 - dropout_p), keep being
+    ``dropout_mask`` (bool (B, H, T, T), e.g. the kernel's own from ``flash_dropout_mask``) or,
+    without one, a fresh Bernoulli(1 - dropout_p) draw from torch's generator.
+    Returns o: (B, T, H, D) in compute_dtype and lse: (B, H, T) (natural log, of the un-dropped
+    scores) in at least float32. Differentiable (autograd through plain ops).
     """
     B, T, H, D = q.shape
     G = H // k.shape[2]
@@ -67,5 +72,8 @@ def attention_ref(
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
     p = torch.softmax(scores, dim=-1).to(dt)
+    if dropout_p > 0:
+        keep = dropout_mask if dropout_mask is not None else torch.rand(p.shape, device=p.device) >= dropout_p
+        p = p.masked_fill(~keep, 0.0) * (1.0 / (1.0 - dropout_p))
     o = torch.matmul(p, vh).transpose(1, 2)  # (B, T, H, D)
     return o, lse
