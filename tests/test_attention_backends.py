@@ -219,3 +219,40 @@ def test_auto_blocks_documented_examples():
     spans = hybrid.query_blocks(8192, heads=12, itemsize=2)
     last_rows = spans[-1][1] - spans[-1][0]
     assert len(spans) < 0.6 * 8192 / last_rows
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def peak_mb_of_fwd_bwd(attend, B, H, T, D, dtype=torch.bfloat16):
+    """Peak CUDA memory (MB) above the inputs of one forward+backward at q, k, v: (B, T, H, D)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=gen, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn_like(q)
+    torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)  # warm-up: cuBLAS workspaces are not the backend's
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 4])
+def test_hybrid_needs_less_than_half_of_naives_memory_on_the_gpu(B):
+    """Issue 17's memory target at (B, 12, 2048, 64), bf16, forward+backward."""
+    hybrid_mb = peak_mb_of_fwd_bwd(hybrid.attend, B, 12, 2048, 64)
+    naive_mb = peak_mb_of_fwd_bwd(naive.attend, B, 12, 2048, 64)
+    assert hybrid_mb * 2 <= naive_mb, (hybrid_mb, naive_mb)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_hybrid_keeps_its_softmax_in_bf16_under_cuda_autocast():
+    """CUDA autocast runs a softmax without an explicit dtype in fp32: that would triple what autograd keeps."""
+    plain = peak_mb_of_fwd_bwd(hybrid.attend, 2, 12, 1024, 64)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        autocast = peak_mb_of_fwd_bwd(hybrid.attend, 2, 12, 1024, 64)
+    assert autocast <= 1.05 * plain, (autocast, plain)

@@ -8,9 +8,9 @@ gradients at a time.
 
 What makes it fast in eager mode and quick to compile:
 - few, large blocks: ``query_blocks`` sizes them so one block's scores fit a byte budget (32 MiB,
-  L2-sized on an H100: 48 x 170 x 2048 bf16 scores at (B*H, T) = (48, 2048)), cutting the causal
-  triangle into pieces of about equal area, so there is one Python iteration per budget's worth of
-  work rather than per 64 rows;
+  L2-sized on an H100: 48 heads x 160 rows x 2048 keys in bf16 at (B*H, T) = (48, 2048)),
+  cutting the causal triangle into pieces of about equal area, so there is one Python iteration
+  per budget's worth of work rather than per 64 rows;
 - one batched matmul per block with no broadcasting: keys and values are (B*H_kv, T, D) and the
   query heads sharing a key/value head are stacked as rows (blocks.py), so GQA repeats nothing;
 - a mask only where one is needed: the block's diagonal and the window's edge (every key with
@@ -18,10 +18,14 @@ What makes it fast in eager mode and quick to compile:
   masked score's probability is exactly 0, so the softmax's gradient there is exactly 0 with or
   without the mask in the graph, and the backward saves a pass over every block's scores;
 - the softmax in q's dtype: PyTorch computes it in fp32 (max, exponentials and sum) and rounds
-  its output once, which for bf16 is bitwise naive's ``softmax(scores.float()).to(bf16)``, while
-  autograd keeps one 2-byte copy of the probabilities instead of fp32 and bf16 ones;
+  its output once, which for bf16 equals (bitwise, on CPU) naive's
+  ``softmax(scores.float()).to(bf16)``, while autograd keeps one 2-byte copy of the
+  probabilities instead of fp32 and bf16 ones (the dtype is passed explicitly: CUDA autocast
+  would otherwise run the softmax in and out of fp32);
 - query blocks from one ``split`` (its backward is one concatenation) and block outputs joined by
-  one ``cat`` straight into the (B, T, H, D) layout.
+  one ``cat`` straight into the (B, T, H, D) layout: one copy forward, views backward. Writing
+  each block into a preallocated output would cost more, since autograd's backward of every such
+  in-place write copies the whole output gradient.
 """
 import math
 from typing import List, Optional, Tuple
@@ -124,7 +128,7 @@ def attend(
         first = first_visible_key(start, window)
         scores = torch.bmm(rows, keys[:, first:end].transpose(1, 2))  # (B*Hkv, rows*G, keys)
         mask_scores_(scores, B, start, end, window, doc_ids, pos, future)
-        probs = torch.softmax(scores, dim=-1)  # (B*Hkv, rows*G, keys)
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)  # (B*Hkv, rows*G, keys)
         if dropout_p > 0:
             probs = F.dropout(probs, dropout_p)
         blocks.append(block_output(torch.bmm(probs, values[:, first:end]), B, end - start))
