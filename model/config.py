@@ -69,6 +69,6 @@ def validate_model(cfg: ModelConfig) -> None:
 @dataclass
 class AttentionConfig:
     name: str = "sdpa"  # a row of model/attention's BACKENDS table
-    block_size: int = 64  # hybrid: queries per block
+    block_size: Optional[int] = None  # hybrid: queries per block; null sizes blocks from T and memory
     window: Optional[int] = None  # sliding-window causal attention: each query sees its last `window` keys
     strict: bool = False  # fail instead of falling back (flash: to sdpa) when the backend cannot run here

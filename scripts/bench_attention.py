@@ -2,13 +2,16 @@
 
     python scripts/bench_attention.py --preset anchors --out bench/anchors      # the six anchor shapes
     python scripts/bench_attention.py --preset sweep --modes fwd+bwd --out bench/sweep   # T 512..32768, B*T=32768
+    python scripts/bench_attention.py --preset seed001 --out bench/seed001   # naive / tiled / hybrid, compile time
     python scripts/bench_attention.py --B 1 --H 12 --D 64 --T 2048,8192,32768,131072 --vram-budget-gb 8
     python scripts/bench_attention.py --device cpu --dtype fp32 --B 1 --H 2 --D 16 --T 64,128   # anywhere
     python scripts/bench_attention.py --from-json bench/anchors/results.json   # tables and plots again
 
 Backends: naive, hybrid, sdpa (PyTorch's own choice of kernel), flash (ours) and, on CUDA where the
 installed PyTorch has them, SDPA forced to one kernel (sdpa-fa2, sdpa-cudnn, sdpa-efficient) and
-compiled FlexAttention with a causal block mask (flex). A backend that cannot run here is "n/a"
+compiled FlexAttention with a causal block mask (flex). On request (--backends, or the seed001
+preset): tiled (seed 001's "vanilla" flash in PyTorch: slow) and hybrid@N (hybrid with N-row query
+blocks instead of its own rule, to tune that rule). A backend that cannot run here is "n/a"
 with the reason; one that runs out of memory at a shape is "OOM" there and the sweep goes on.
 
 Per point: median time (triton.testing.do_bench on CUDA, a perf_counter median of 5 calls on CPU),
@@ -21,6 +24,9 @@ and dq, dk, dv when fwd+bwd is measured); a backend off by more than the dtype's
 the script with exit status 1. --vram-budget-gb caps this process' GPU memory like a smaller card
 (torch.cuda.set_per_process_memory_fraction) and is refused on CPU (exit status 2).
 
+--compile NAMES (the seed001 preset: naive,hybrid) also times torch.compile of those backends at
+the first shape, forward+backward: the first call (compilation) in seconds, then ms and peak MB.
+
 Prints a progress table and, at the end, one table per mode with a column per backend (TFLOP/s,
 ms and peak MB); with --out writes results.json (rows and the environment), results.csv,
 summary.md (those tables) and bench_<mode>.png (time, TFLOP/s and memory against T, log scales).
@@ -29,8 +35,10 @@ Needs torch (and triton for flash and CUDA timing); matplotlib only for the plot
 import argparse
 import csv
 import datetime
+import functools
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -43,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from model.attention import BACKENDS, build_attention, unavailable_reason  # noqa: E402
+from model.attention import BACKENDS, build_attention, hybrid, tiled, unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
@@ -52,9 +60,15 @@ ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 40
            (1, 16, 16384, 128)]
 SWEEP_TOKENS = 32768
 SWEEP = [(SWEEP_TOKENS // T, 12, T, 64) for T in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
-OURS = tuple(BACKENDS)  # the model's backends (model/attention)
+ON_REQUEST = ("tiled", "hybrid@N")  # slow or tuning variants: only when --backends (or seed001) names them
+OURS = tuple(name for name in BACKENDS if name not in ON_REQUEST)  # the model's backends (model/attention)
 SDPA_KERNELS = {"sdpa-fa2": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 ALL_BACKENDS = (*OURS, *SDPA_KERNELS, "flex")
+# Seed 001's table (naive / tiled / hybrid), hybrid's two target shapes first; hybrid@N beside
+# hybrid's own block rule, to tune it; compile time of naive and hybrid at the first shape.
+SEED001 = [(4, 12, 2048, 64), (1, 12, 2048, 64), (4, 12, 1024, 64), (4, 12, 512, 64)]
+SEED001_BACKENDS = ("naive", "tiled", "hybrid", "hybrid@64", "hybrid@128", "hybrid@512", "sdpa")
+SEED001_COMPILE = ("naive", "hybrid")
 MODES = ("fwd", "fwd+bwd")
 # Largest relative L2 error ||x - ref|| / ||ref|| against the float32 reference. A bf16 result is
 # off by about 4e-3 from rounding alone; fp32 on CUDA allows TF32 tensor-core matmuls (Triton's
@@ -107,11 +121,29 @@ def flex_attention_fn():
     return attend
 
 
+def known(name: str) -> bool:
+    return name in ALL_BACKENDS or name == "tiled" or re.fullmatch(r"hybrid@[1-9][0-9]*", name) is not None
+
+
+def ours(name: str) -> bool:
+    return name in OURS or name == "tiled" or name.startswith("hybrid@")
+
+
+def blockwise(name: str):
+    """tiled, hybrid (its own block rule) or hybrid@N (N-row query blocks), called directly: through
+    build_attention hybrid would take AttentionConfig's block_size (64 rows)."""
+    if name == "tiled":
+        return tiled.attend
+    return functools.partial(hybrid.attend, block_size=int(name[len("hybrid@"):]) if "@" in name else None)
+
+
 def backends(device: torch.device, names) -> dict:
     """{name: attend(q, k, v) -> o, or a string saying why it cannot run here}."""
     found = {}
     for name in names:
-        if name in OURS and unavailable_reason(name, device):
+        if name == "tiled" or name.startswith("hybrid"):
+            found[name] = blockwise(name)
+        elif name in OURS and unavailable_reason(name, device):
             found[name] = unavailable_reason(name, device)
         elif name in OURS:
             with warnings.catch_warnings():
@@ -204,6 +236,31 @@ def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
         free_memory()
 
 
+def compile_time(attend, shape, Hkv, dtype, device) -> dict:
+    """torch.compile(attend) at ``shape``, forward+backward: {compile_s: the first call, which
+    compiles} and then measure()'s {ms, tflops, peak_mb, status} of the compiled function."""
+    B, H, T, D = shape
+    torch._dynamo.reset()
+    compiled = torch.compile(attend)
+    free_memory()
+    start = time.perf_counter()
+    try:
+        q, k, v = make_inputs(B, H, Hkv, T, D, dtype, device, grad=True)
+        torch.autograd.grad(compiled(q, k, v), (q, k, v), torch.randn_like(q))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        return {"compile_s": time.perf_counter() - start, "ms": None, "tflops": None, "peak_mb": None, "status": "OOM"}
+    seconds = time.perf_counter() - start
+    del q, k, v
+    return {"compile_s": seconds, **measure(compiled, shape, Hkv, "fwd+bwd", dtype, device)}
+
+
+def compile_line(name, shape, result) -> str:
+    return (f"# compiled {name} at (B,H,T,D)={tuple(shape)}, fwd+bwd: first call {result['compile_s']:.1f} s, "
+            f"then {fmt(result['ms'])} ms, peak {fmt(result['peak_mb'], 'peak_mb')} MB ({result['status']})")
+
+
 # --- correctness ----------------------------------------------------------------------------------
 
 def reference(q, k, v):
@@ -256,7 +313,7 @@ def check_backends(found: dict, shape, Hkv, dtype, device, grads: bool) -> dict:
             print(f"# {name}: correctness check skipped (OOM at the first shape)")
             continue
         except Exception as err:
-            if name in OURS:
+            if ours(name):
                 raise
             found[name] = f"fails at the first shape ({first_line(err)})"
             continue
@@ -309,6 +366,7 @@ def pivot(rows, mode, key) -> str:
 def summary(rows, meta) -> str:
     parts = [header(meta), f"# command: {meta['command']}"]
     parts += [f"# {name}: n/a ({reason})" for name, reason in meta["unavailable"].items()]
+    parts += [compile_line(name, result["shape"], result) for name, result in meta.get("compile", {}).items()]
     titles = {"tflops": "TFLOP/s (causal)", "ms": "median ms", "peak_mb": "peak MB above inputs"}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         for key, title in titles.items():
@@ -387,16 +445,20 @@ def write_all(rows, meta, out: Path) -> None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["anchors", "sweep"],
-                   help="anchors: the six (B,H,T,D) anchor shapes; sweep: T 512..32768 at B*T=32768, H=12, D=64 "
-                        "(both override --B/--H/--T/--D)")
+    p.add_argument("--preset", choices=["anchors", "sweep", "seed001"],
+                   help="anchors: the six (B,H,T,D) anchor shapes; sweep: T 512..32768 at B*T=32768, H=12, D=64; "
+                        "seed001: (4|1, 12, 2048, 64) and (4, 12, 512|1024, 64) with naive, tiled, hybrid, hybrid@N "
+                        "and sdpa, and the compile time of naive and hybrid (all override --B/--H/--T/--D)")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--H", type=int, default=12)
     p.add_argument("--Hkv", type=int, help="key/value heads (default: H; must divide H)")
     p.add_argument("--T", default="1024,2048,4096", help="comma-separated sequence lengths")
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--modes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
-    p.add_argument("--backends", default=",".join(ALL_BACKENDS), help=f"comma-separated from {', '.join(ALL_BACKENDS)}")
+    p.add_argument("--backends", help=f"comma-separated from {', '.join(ALL_BACKENDS + ON_REQUEST)} "
+                                      "(default: the preset's, else all but those on request)")
+    p.add_argument("--compile", help="comma-separated backends to time under torch.compile at the first shape "
+                                     "(default: the seed001 preset's naive,hybrid, else none)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--vram-budget-gb", type=float, help="cap this process' GPU memory at N GiB (CUDA only)")
@@ -410,6 +472,8 @@ def shapes_from(args):
         return ANCHORS
     if args.preset == "sweep":
         return SWEEP
+    if args.preset == "seed001":
+        return SEED001
     try:
         return [(args.B, args.H, int(t), args.D) for t in args.T.split(",")]
     except ValueError:
@@ -425,9 +489,12 @@ def main(argv=None) -> None:
         print(summary(saved["rows"], saved["meta"]))
         return
     modes = args.modes.split(",")
-    names = args.backends.split(",")
-    for bad in [m for m in modes if m not in MODES] + [n for n in names if n not in ALL_BACKENDS]:
-        fail(f"{bad!r} is not a mode or backend; modes: {', '.join(MODES)}; backends: {', '.join(ALL_BACKENDS)}")
+    seed001 = args.preset == "seed001"
+    names = args.backends.split(",") if args.backends else list(SEED001_BACKENDS if seed001 else ALL_BACKENDS)
+    to_compile = args.compile.split(",") if args.compile else list(SEED001_COMPILE if seed001 else ())
+    for bad in [m for m in modes if m not in MODES] + [n for n in names + to_compile if not known(n)]:
+        fail(f"{bad!r} is not a mode or backend; modes: {', '.join(MODES)}; "
+             f"backends: {', '.join(ALL_BACKENDS + ON_REQUEST)} (N: rows per query block)")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but PyTorch sees no CUDA GPU; use --device cpu")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -465,7 +532,7 @@ def main(argv=None) -> None:
                 try:
                     result = measure(attend, (B, H, T, D), args.Hkv or H, mode, dtype, device)
                 except Exception as err:  # a forced SDPA kernel or flex that does not take this shape
-                    if name in OURS:
+                    if ours(name):
                         raise
                     print(f"# {name} at {mode} (B,H,T,D)={(B, H, T, D)}: n/a ({first_line(err)})")
                     result = {"ms": None, "tflops": None, "peak_mb": None, "status": "n/a"}
@@ -475,6 +542,12 @@ def main(argv=None) -> None:
                       + " | ".join(cell(row, k) for k in ("ms", "tflops", "peak_mb")) + " |", flush=True)
                 if args.out:  # after every point, so an interrupted run keeps what it measured
                     write_results(rows, meta, Path(args.out))
+    meta["compile"] = {}
+    for name, attend in backends(device, to_compile).items():
+        if callable(attend):
+            result = compile_time(attend, shapes[0], args.Hkv or shapes[0][1], dtype, device)
+            meta["compile"][name] = {"shape": shapes[0], **result}
+            print(compile_line(name, shapes[0], meta["compile"][name]), flush=True)
     print("\n" + summary(rows, meta))
     if args.out and rows:
         write_all(rows, meta, Path(args.out))

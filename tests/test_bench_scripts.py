@@ -201,3 +201,36 @@ def test_compare_runs_says_when_there_is_nothing_to_compare(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         load_script("compare_runs").main([str(tmp_path)])
     assert stop.value.code == 2 and "no run folders" in capsys.readouterr().err
+
+
+def test_bench_attention_takes_tiled_forced_hybrid_blocks_and_times_compilation(tmp_path, monkeypatch, capsys):
+    bench = load_script("bench_attention")
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # the plumbing, not inductor (minutes on 2 CPU cores)
+    bench.main(["--device", "cpu", "--dtype", "fp32", "--B", "1", "--H", "2", "--D", "16", "--T", "40",
+                "--backends", "naive,tiled,hybrid,hybrid@16", "--compile", "hybrid", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "# checked against float32 at (B,H,T,D)=(1, 2, 40, 16)" in out
+    rows = list(csv.DictReader(open(tmp_path / "results.csv")))
+    assert [r["backend"] for r in rows if r["mode"] == "fwd"] == ["naive", "tiled", "hybrid", "hybrid@16"]
+    assert all(r["status"] == "ok" for r in rows)
+    compiled = json.loads((tmp_path / "results.json").read_text())["meta"]["compile"]["hybrid"]
+    assert compiled["shape"] == [1, 2, 40, 16] and compiled["compile_s"] > 0 and compiled["status"] == "ok"
+    assert "# compiled hybrid at (B,H,T,D)=(1, 2, 40, 16), fwd+bwd: first call" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("bad", ["hybrid@", "hybrid@0", "hybrid@x", "tiledd"])
+def test_bench_attention_rejects_unknown_backends(bad):
+    proc = run(["scripts/bench_attention.py", "--device", "cpu", "--backends", f"naive,{bad}"])
+    assert proc.returncode == 2 and f"{bad!r} is not a mode or backend" in proc.stderr
+
+
+def test_bench_attention_seed001_preset_picks_its_backends_and_compiles(monkeypatch, capsys):
+    bench = load_script("bench_attention")
+    monkeypatch.setattr(bench, "SEED001", [(1, 2, 24, 16)])  # the preset's GPU shapes take minutes on a CPU
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    bench.main(["--preset", "seed001", "--device", "cpu", "--dtype", "fp32", "--modes", "fwd"])
+    out = capsys.readouterr().out
+    table = markdown_table(out, "## fwd: median ms")
+    assert table[0][5:] == list(bench.SEED001_BACKENDS)
+    assert [line.split(" at ")[0] for line in out.splitlines() if line.startswith("# compiled")] == \
+        ["# compiled naive", "# compiled hybrid"] * 2  # as measured, then again in the summary

@@ -63,6 +63,7 @@ def flash_unavailable_reason(device: torch.device) -> str:
 BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
     Backend("naive", "model.attention.naive:attend", options=("window",)),
     Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size")),
+    Backend("tiled", "model.attention.tiled:attend", options=("window",)),
     Backend("sdpa", "model.attention.sdpa:attend", options=("window",)),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
             options=("window",), unavailable=flash_unavailable_reason, fallback="sdpa"),
@@ -96,7 +97,8 @@ def validate_attention(cfg: AttentionConfig) -> None:
     """Reject an unknown backend, bad values, and a feature the chosen backend cannot compute."""
     if cfg.name not in BACKENDS:
         raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
-    check_positive("attention.block_size", cfg.block_size, kind="integer")
+    if cfg.block_size is not None:
+        check_positive("attention.block_size", cfg.block_size, kind="integer")
     if cfg.window is not None and cfg.window <= 0:
         raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")
     check_options(cfg.name, features_in_use(cfg))

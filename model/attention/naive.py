@@ -3,6 +3,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from model.attention.masks import allowed, group_queries, heads_first, ungroup_output
 
@@ -13,11 +14,14 @@ def attend(
     v: torch.Tensor,
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v, materialising every score.
 
     q: (B, T, H, D); k, v: (B, T, H_kv, D) with H % H_kv == 0; doc_ids: (B, T) or None.
-    Returns o: (B, T, H, D) in q's dtype. Scores live as (B, H_kv, G, T, T); the softmax runs in fp32.
+    dropout_p: probability of dropping each attention probability (kept ones scaled by
+    1 / (1 - dropout_p)); pass 0 outside training. Returns o: (B, T, H, D) in q's dtype. Scores
+    live as (B, H_kv, G, T, T); the softmax runs in fp32 (fp64 for fp64 inputs).
     """
     T, D = q.shape[1], q.shape[3]
     qg = group_queries(q, k.shape[2])  # (B, Hkv, G, T, D)
@@ -25,5 +29,7 @@ def attend(
     pos = torch.arange(T, device=q.device)
     mask = allowed(pos, pos, window, doc_ids).unsqueeze(1)  # (B|1, 1, 1, T, T)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
     return ungroup_output(probs @ heads_first(v))
