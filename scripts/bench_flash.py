@@ -13,49 +13,21 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = [  # (B, H, T, D)
-    (16, 12, 1024, 64),
-    (4, 12, 2048, 64),
-    (8, 16, 2048, 128),
-    (4, 16, 4096, 128),
-    (2, 16, 8192, 128),
-    (1, 16, 16384, 128),
-]
+from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, first_line,  # noqa: E402
+                                  forced_sdpa, graph_median_ms, median_ms, relative_error, require_cuda, tflops)
 
-
-def sdpa_fn(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v):  # q, k, v: (B, H, T, D)
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    return run
-
-
-def flops(B, H, T, D, with_bwd):
-    f = 2.0 * B * H * T * T * D  # causal: half of 4*B*H*T^2*D
-    return f * 3.5 if with_bwd else f
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+CUDA = torch.device("cuda")
 
 
 def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
-    import triton
-
     g = torch.Generator(device="cuda").manual_seed(0)
     # Each implementation gets its native contiguous layout: ours (B, T, H, D), SDPA (B, H, T, D).
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g)
@@ -76,7 +48,7 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             o = fn(qq, kk, vv)
             gr = torch.autograd.grad(o, (qq, kk, vv), dd)
         except Exception as e:  # backend unavailable for this shape/device
-            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            row[name] = {"error": first_line(e, 120)}
             continue
         if layout != "bthd":
             o = o.transpose(1, 2)
@@ -86,8 +58,8 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             ref_o, ref_g = o.detach(), [x.detach() for x in gr]
         else:
             res["rel_err_vs_ours"] = {
-                "o": rel_err(o, ref_o),
-                **{n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
+                "o": relative_error(o, ref_o),
+                **{n: relative_error(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
             }
             bad = {n: e for n, e in res["rel_err_vs_ours"].items() if not e < 2e-2}
             res["agrees"] = not bad
@@ -100,23 +72,19 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             out = fn(qq, kk, vv)
             out.backward(dd)
 
-        t_f = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-        t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=[qq, kk, vv],
-                                       return_mode="median")
+        fwd_flops, fwd_bwd_flops = causal_flops(B, H, T, D, False), causal_flops(B, H, T, D, True)
+        t_f = median_ms(fwd, CUDA, warmup, rep)
+        t_fb = median_ms(fwd_bwd, CUDA, warmup, rep, grad_to_none=[qq, kk, vv])
         res.update(fwd_ms=t_f, fwd_bwd_ms=t_fb,
-                   fwd_tflops=flops(B, H, T, D, False) / t_f * 1e-9,
-                   fwd_bwd_tflops=flops(B, H, T, D, True) / t_fb * 1e-9)
+                   fwd_tflops=tflops(fwd_flops, t_f), fwd_bwd_tflops=tflops(fwd_bwd_flops, t_fb))
         if graphs:  # replayed CUDA graphs: GPU time without Python/launch overhead
             try:
-                g_f = triton.testing.do_bench_cudagraph(fwd, rep=rep, return_mode="median")
-                g_fb = triton.testing.do_bench_cudagraph(fwd_bwd, rep=rep,
-                                                         grad_to_none=[qq, kk, vv],
-                                                         return_mode="median")
+                g_f = graph_median_ms(fwd, rep)
+                g_fb = graph_median_ms(fwd_bwd, rep, grad_to_none=[qq, kk, vv])
                 res.update(graph_fwd_ms=g_f, graph_fwd_bwd_ms=g_fb,
-                           graph_fwd_tflops=flops(B, H, T, D, False) / g_f * 1e-9,
-                           graph_fwd_bwd_tflops=flops(B, H, T, D, True) / g_fb * 1e-9)
+                           graph_fwd_tflops=tflops(fwd_flops, g_f), graph_fwd_bwd_tflops=tflops(fwd_bwd_flops, g_fb))
             except Exception as e:
-                res["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                res["graph_error"] = first_line(e, 120)
         row[name] = res
     del inputs
     torch.cuda.empty_cache()
@@ -142,33 +110,25 @@ def main() -> None:
                     help="also time replays of captured CUDA graphs (no launch overhead)")
     ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_flash.py times our kernel against SDPA's CUDA kernels and needs a CUDA GPU; on CPU, "
-              "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
-        sys.exit(2)
-
-    import triton
-    from torch.nn.attention import SDPBackend
+    require_cuda("bench_flash.py", "times our kernel against SDPA's CUDA kernels",
+                 "scripts/bench_attention.py --device cpu runs every backend")
 
     from kernels import flash_attn
     from kernels.flash_attention import launch
 
-    shapes = SHAPES if not args.shapes else [
+    shapes = ANCHORS if not args.shapes else [
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     impls = {
         "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
-        "sdpa_fa2": (sdpa_fn(SDPBackend.FLASH_ATTENTION), "bhtd"),
-        "sdpa_cudnn": (sdpa_fn(SDPBackend.CUDNN_ATTENTION), "bhtd"),
+        "sdpa_fa2": (forced_sdpa("FLASH_ATTENTION"), "bhtd"),
+        "sdpa_cudnn": (forced_sdpa("CUDNN_ATTENTION"), "bhtd"),
     }
     meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **environment(CUDA),
         "dtype": "bfloat16",
         "causal": True,
         "autotune": launch.AUTOTUNE,
-        "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
+        "command": command_line("bench_flash.py"),
     }
     rows = []
     for (B, H, T, D) in shapes:
@@ -177,7 +137,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
-          f"{meta['date']} | bf16 causal, TFLOP/s (median time)", "",
+          f"{meta['date']} | commit {meta['commit']} | bf16 causal, TFLOP/s (median time)", "",
+          f"`{meta['command']}`", "",
           "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
           "fwd+bwd cuDNN | fwd+bwd ours/FA2 | agrees |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
