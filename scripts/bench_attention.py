@@ -34,12 +34,10 @@ Needs torch (and triton for flash and CUDA timing); matplotlib only for the plot
 """
 import argparse
 import csv
-import datetime
 import functools
 import gc
 import json
 import re
-import statistics
 import sys
 import time
 import warnings
@@ -53,16 +51,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from model.attention import BACKENDS, build_attention, hybrid, tiled, unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
+from scripts.bench_common import (ANCHORS, SDPA_KERNELS, causal_flops, command_line, environment, fail,  # noqa: E402
+                                  first_line, forced_sdpa, median_ms, relative_error, tflops)
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
-# (B, H, T, D)
-ANCHORS = [(16, 12, 1024, 64), (4, 12, 2048, 64), (8, 16, 2048, 128), (4, 16, 4096, 128), (2, 16, 8192, 128),
-           (1, 16, 16384, 128)]
 SWEEP_TOKENS = 32768
 SWEEP = [(SWEEP_TOKENS // T, 12, T, 64) for T in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
 ON_REQUEST = ("tiled", "hybrid@N")  # slow or tuning variants: only when --backends (or seed001) names them
 OURS = tuple(name for name in BACKENDS if name not in ON_REQUEST)  # the model's backends (model/attention)
-SDPA_KERNELS = {"sdpa-fa2": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 ALL_BACKENDS = (*OURS, *SDPA_KERNELS, "flex")
 # Seed 001's table (naive / tiled / hybrid), hybrid's two target shapes first; hybrid@N beside
 # hybrid's own block rule, to tune it; compile time of naive and hybrid at the first shape.
@@ -78,27 +74,7 @@ TOLERANCE_FP32_CUDA = 5e-3
 RATIOS = {"flash / FA2": ("flash", "sdpa-fa2"), "flash / cuDNN": ("flash", "sdpa-cudnn")}
 
 
-def fail(message: str, status: int = 2) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(status)
-
-
 # --- backends -------------------------------------------------------------------------------------
-
-def forced_sdpa(kernel: str):
-    """SDPA restricted to one of its kernels. q: (B, T, H, D); k, v: (B, T, H_kv, D)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, kernel)
-
-    def attend(q, k, v):
-        with sdpa_kernel(backend):
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
-        return o.transpose(1, 2)
-
-    return attend
-
 
 def flex_attention_fn():
     """Compiled FlexAttention with a causal block mask (one mask per T). Same shapes as above."""
@@ -158,25 +134,13 @@ def backends(device: torch.device, names) -> dict:
                 found[name] = f"this PyTorch has no FlexAttention ({err})"
         else:
             try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
-
-                getattr(SDPBackend, SDPA_KERNELS[name])
-                found[name] = forced_sdpa(SDPA_KERNELS[name])
+                found[name] = forced_sdpa(SDPA_KERNELS[name], heads_first=False)  # q: (B, T, H, D)
             except (ImportError, AttributeError) as err:
                 found[name] = f"this PyTorch cannot force it ({err})"
     return found
 
 
-def first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
-
-
 # --- measuring ------------------------------------------------------------------------------------
-
-def causal_flops(B, H, T, D, mode) -> float:
-    return 2.0 * B * H * T * T * D * (3.5 if mode == "fwd+bwd" else 1.0)
-
 
 def make_inputs(B, H, Hkv, T, D, dtype, device, grad):
     """q: (B, T, H, D), k and v: (B, T, Hkv, D), standard normal, the same for every backend."""
@@ -190,20 +154,6 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-def timed(fn, device) -> float:
-    """Median milliseconds of fn()."""
-    if device.type == "cuda":
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
@@ -228,8 +178,9 @@ def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
             step()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        ms = timed(step, device)
-        return {"ms": ms, "tflops": causal_flops(B, H, T, D, mode) / (ms * 1e-3) / 1e12, "peak_mb": peak, "status": "ok"}
+        ms = median_ms(step, device)
+        flops = causal_flops(B, H, T, D, backward=mode == "fwd+bwd")
+        return {"ms": ms, "tflops": tflops(flops, ms), "peak_mb": peak, "status": "ok"}
     except torch.OutOfMemoryError:
         return {"ms": None, "tflops": None, "peak_mb": None, "status": "OOM"}
     finally:
@@ -282,10 +233,6 @@ def outputs(attend, q, k, v, grad_out, grads: bool) -> dict:
     if grads:
         found.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, (q, k, v), grad_out.to(o.dtype))))
     return found
-
-
-def relative_error(x, ref) -> float:
-    return ((x.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_backends(found: dict, shape, Hkv, dtype, device, grads: bool) -> dict:
@@ -344,7 +291,8 @@ def cell(row, key) -> str:
 
 def header(meta) -> str:
     return (f"# {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, causal"
-            + (f", budget {meta['budget_gb']:g} GiB" if meta.get("budget_gb") else "") + f", {meta['date']}")
+            + (f", budget {meta['budget_gb']:g} GiB" if meta.get("budget_gb") else "") + f", {meta['date']}"
+            + (f", commit {meta['commit']}" if meta.get("commit") else ""))
 
 
 def pivot(rows, mode, key) -> str:
@@ -507,15 +455,8 @@ def main(argv=None) -> None:
     apply_vram_budget(device, args.vram_budget_gb)
     dtype = DTYPES[args.dtype]
     found = backends(device, names)
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "triton": triton_version, "dtype": args.dtype, "budget_gb": args.vram_budget_gb,
-            "date": datetime.date.today().isoformat(), "command": "python scripts/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    meta = {**environment(device), "dtype": args.dtype, "budget_gb": args.vram_budget_gb,
+            "command": command_line("bench_attention.py", argv)}
     print(header(meta))
     check = check_backends(found, shapes[0], args.Hkv or shapes[0][1], dtype, device, grads="fwd+bwd" in modes)
     meta["unavailable"] = {name: reason for name, reason in found.items() if not callable(reason)}

@@ -22,6 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from scripts.bench_common import command_line, environment, median_ms, require_cuda  # noqa: E402
+
+CUDA = torch.device("cuda")
 CASES = [(4096, 50304, torch.bfloat16), (12288, 50304, torch.bfloat16), (4096, 50304, torch.float16)]
 SWEEP = [(block_v, warps) for block_v in (2048, 4096, 8192, 16384) for warps in (4, 8, 16, 32)
          if block_v // (32 * warps) >= 4]  # at least 4 elements a thread
@@ -29,13 +32,11 @@ SWEEP = [(block_v, warps) for block_v in (2048, 4096, 8192, 16384) for warps in 
 
 def time_ms(fn, refill, fresh) -> float:
     """Median ms of fn() on a freshly refilled buffer, minus the refill's own time."""
-    from triton.testing import do_bench
-
     def both():
         refill.copy_(fresh)
         fn()
 
-    return do_bench(both) - do_bench(lambda: refill.copy_(fresh))
+    return median_ms(both, CUDA) - median_ms(lambda: refill.copy_(fresh), CUDA)
 
 
 def bench_case(n: int, V: int, dtype: torch.dtype) -> list[tuple[str, float]]:
@@ -62,15 +63,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_cross_entropy.py times the Triton kernel on a CUDA GPU and needs a CUDA GPU; on CPU "
-              "the kernel's tests run under the interpreter (python -m pytest tests/test_cross_entropy.py)",
-              file=sys.stderr)
-        sys.exit(2)
-    import triton
-
-    lines = [f"# Softmax cross-entropy: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"triton {triton.__version__}", "", f"`python {' '.join(sys.argv)}`", "",
+    require_cuda("bench_cross_entropy.py", "times the Triton kernel",
+                 "the kernel's tests run under the interpreter (python -m pytest tests/test_cross_entropy.py)")
+    env = environment(CUDA)
+    lines = [f"# Softmax cross-entropy: {env['device']}, torch {env['torch']}, triton {env['triton']}, "
+             f"{env['date']}, commit {env['commit']}", "", f"`{command_line('bench_cross_entropy.py')}`", "",
              "| n × V, dtype | implementation | ms | GB/s (read + write of the logits) |", "|---|---|---|---|"]
     for n, V, dtype in CASES:
         moved = 2 * n * V * (torch.finfo(dtype).bits // 8)

@@ -30,7 +30,6 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
@@ -40,43 +39,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SHAPES = [  # (B, H, T, D)
-    (16, 12, 1024, 64),
-    (4, 12, 2048, 64),
-    (8, 16, 2048, 128),
-    (4, 16, 4096, 128),
-    (2, 16, 8192, 128),
-    (1, 16, 16384, 128),
-]
+from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
+                                  forced_sdpa, graph_median_ms, median_ms, relative_error, require_cuda, tflops)
 
-
-def sdpa_fn(backend, dropout_p: float = 0.0):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v):  # q, k, v: (B, H, T, D)
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-
-    return run
-
-
-def flops(B, H, T, D, with_bwd):
-    f = 2.0 * B * H * T * T * D  # causal: half of 4*B*H*T^2*D
-    return f * 3.5 if with_bwd else f
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+CUDA = torch.device("cuda")
 
 
 def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
-    import triton
-
     g = torch.Generator(device="cuda").manual_seed(0)
     # Each implementation gets its native contiguous layout: ours (B, T, H, D), SDPA (B, H, T, D).
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g)
@@ -97,7 +69,7 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             o = fn(qq, kk, vv)
             gr = torch.autograd.grad(o, (qq, kk, vv), dd)
         except Exception as e:  # backend unavailable for this shape/device
-            row[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            row[name] = {"error": first_line(e, 120)}
             continue
         if layout != "bthd":
             o = o.transpose(1, 2)
@@ -107,25 +79,21 @@ def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
             ref_o, ref_g = o.detach(), [x.detach() for x in gr]
         else:
             res["rel_err_vs_ours"] = {
-                "o": rel_err(o, ref_o),
-                **{n: rel_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
+                "o": relative_error(o, ref_o),
+                **{n: relative_error(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
             }
             bad = {n: e for n, e in res["rel_err_vs_ours"].items() if not e < 2e-2}
             res["agrees"] = not bad
         del o, gr
         res.update(time_calls(fn, qq, kk, vv, dd, (B, H, T, D), warmup, rep))
-        fwd, fwd_bwd = calls(fn, qq, kk, vv, dd)
         if graphs:  # replayed CUDA graphs: GPU time without Python/launch overhead
+            fwd, fwd_bwd = calls(fn, qq, kk, vv, dd)
             try:
-                g_f = triton.testing.do_bench_cudagraph(fwd, rep=rep, return_mode="median")
-                g_fb = triton.testing.do_bench_cudagraph(fwd_bwd, rep=rep,
-                                                         grad_to_none=[qq, kk, vv],
-                                                         return_mode="median")
-                res.update(graph_fwd_ms=g_f, graph_fwd_bwd_ms=g_fb,
-                           graph_fwd_tflops=flops(B, H, T, D, False) / g_f * 1e-9,
-                           graph_fwd_bwd_tflops=flops(B, H, T, D, True) / g_fb * 1e-9)
+                g_f = graph_median_ms(fwd, rep)
+                g_fb = graph_median_ms(fwd_bwd, rep, grad_to_none=[qq, kk, vv])
+                res.update(rates((B, H, T, D), g_f, g_fb, prefix="graph_"))
             except Exception as e:
-                res["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                res["graph_error"] = first_line(e, 120)
         row[name] = res
     del inputs
     torch.cuda.empty_cache()
@@ -144,15 +112,17 @@ def calls(fn, q, k, v, do):
     return fwd, fwd_bwd
 
 
+def rates(shape, fwd_ms: float, fwd_bwd_ms: float, prefix: str = "") -> dict:
+    """{prefix}fwd_ms, fwd_bwd_ms and their causal TFLOP/s at ``shape`` (B, H, T, D)."""
+    return {f"{prefix}fwd_ms": fwd_ms, f"{prefix}fwd_bwd_ms": fwd_bwd_ms,
+            f"{prefix}fwd_tflops": tflops(causal_flops(*shape, backward=False), fwd_ms),
+            f"{prefix}fwd_bwd_tflops": tflops(causal_flops(*shape, backward=True), fwd_bwd_ms)}
+
+
 def time_calls(fn, q, k, v, do, shape, warmup, rep) -> dict:
     """Median eager milliseconds and TFLOP/s of ``fn``'s forward and forward+backward."""
-    import triton
-
     fwd, fwd_bwd = calls(fn, q, k, v, do)
-    t_f = triton.testing.do_bench(fwd, warmup=warmup, rep=rep, return_mode="median")
-    t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup, rep=rep, grad_to_none=[q, k, v], return_mode="median")
-    return dict(fwd_ms=t_f, fwd_bwd_ms=t_fb, fwd_tflops=flops(*shape, False) / t_f * 1e-9,
-                fwd_bwd_tflops=flops(*shape, True) / t_fb * 1e-9)
+    return rates(shape, median_ms(fwd, CUDA, warmup, rep), median_ms(fwd_bwd, CUDA, warmup, rep, grad_to_none=[q, k, v]))
 
 
 def dropout_inputs(B, H, T, D, dtype):
@@ -175,16 +145,14 @@ def first_call_seconds(fn, q, k, v, do) -> float:
 
 def bench_dropout(shapes, dropout_p: float, warmup: int, rep: int) -> tuple[list[dict], dict]:
     """Per shape: eager times of ours and FA2 at dropout 0 and ``dropout_p``; first-call seconds."""
-    from torch.nn.attention import SDPBackend
-
     from kernels import flash_attn
 
     def ours(p):
         return lambda q, k, v: flash_attn(q, k, v, causal=True, dropout_p=p)
 
     impls = {("nanoflash", 0.0): (ours(0.0), 0), ("nanoflash", dropout_p): (ours(dropout_p), 0),
-             ("sdpa_fa2", 0.0): (sdpa_fn(SDPBackend.FLASH_ATTENTION), 1),
-             ("sdpa_fa2", dropout_p): (sdpa_fn(SDPBackend.FLASH_ATTENTION, dropout_p), 1)}
+             ("sdpa_fa2", 0.0): (forced_sdpa("FLASH_ATTENTION"), 1),
+             ("sdpa_fa2", dropout_p): (forced_sdpa("FLASH_ATTENTION", dropout_p=dropout_p), 1)}
     inputs = dropout_inputs(*shapes[0], torch.bfloat16)[0]
     first = {f"p={p}": first_call_seconds(impls[("nanoflash", p)][0], *inputs) for p in (0.0, dropout_p)}
     first["shape"] = shapes[0]
@@ -196,7 +164,7 @@ def bench_dropout(shapes, dropout_p: float, warmup: int, rep: int) -> tuple[list
             try:
                 row[f"{name} p={p}"] = time_calls(fn, *inputs[layout], shape, warmup, rep)
             except Exception as e:  # a backend without dropout here
-                row[f"{name} p={p}"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+                row[f"{name} p={p}"] = {"error": first_line(e, 120)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del inputs
@@ -204,9 +172,14 @@ def bench_dropout(shapes, dropout_p: float, warmup: int, rep: int) -> tuple[list
     return rows, first
 
 
+def table_header(meta: dict, what: str) -> list[str]:
+    """A table's first lines: where it was measured (device, versions, date, commit), what it holds, the command."""
+    return [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | "
+            f"commit {meta['commit']} | {what}", "", f"`{meta['command']}`", ""]
+
+
 def dropout_table(rows: list[dict], first: dict, dropout_p: float, meta: dict) -> str:
-    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | "
-          f"bf16 causal, eager, median ms (do_bench); cost = time at p={dropout_p} / time at p=0", "",
+    md = [*table_header(meta, f"bf16 causal, eager, median ms (do_bench); cost = time at p={dropout_p} / time at p=0"),
           f"| B | H | T | D | fwd ours p=0 | fwd ours p={dropout_p} | cost | fwd+bwd ours p=0 | "
           f"fwd+bwd ours p={dropout_p} | cost | fwd+bwd FA2 p=0 | fwd+bwd FA2 p={dropout_p} | cost |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -304,8 +277,7 @@ def bench_first_calls(shapes: list[tuple], folder: Path) -> list[dict]:
 
 def first_call_table(rows: list[dict], meta: dict) -> str:
     """Markdown: seconds of each shape's first call, cold and warm, against the targets."""
-    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']} | causal "
-          "forward+backward, the first call in a new process (seconds)", "",
+    md = [*table_header(meta, "causal forward+backward, the first call in a new process (seconds)"),
           "| dtype | B | H | T | D | cold: first call | cold: tuning (tunes) | warm: first call | warm: tuning | "
           "target (cold) | met |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -352,30 +324,21 @@ def main() -> None:
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
         return
     if args.dropout is not None and not 0 < args.dropout < 1:
-        print(f"--dropout must be in (0, 1), got {args.dropout}", file=sys.stderr)
-        sys.exit(2)
-    if not torch.cuda.is_available():
-        print("bench_flash.py times our kernel against SDPA's CUDA kernels and needs a CUDA GPU; on CPU, "
-              "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
-        sys.exit(2)
-
-    import triton
-    from torch.nn.attention import SDPBackend
+        fail(f"--dropout must be in (0, 1), got {args.dropout}")
+    require_cuda("bench_flash.py", "times our kernel against SDPA's CUDA kernels",
+                 "scripts/bench_attention.py --device cpu runs every backend")
 
     from kernels import flash_attn
     from kernels.flash_attention import launch
 
-    shapes = SHAPES if not args.shapes else [
+    shapes = ANCHORS if not args.shapes else [
         tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     meta = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **environment(CUDA),
         "dtype": "bfloat16",
         "causal": True,
         "autotune": launch.LAUNCHER.autotune,
-        "command": "python scripts/bench_flash.py " + " ".join(sys.argv[1:]),
+        "command": command_line("bench_flash.py"),
     }
     if args.first_call:
         with tempfile.TemporaryDirectory(prefix="nanoflash-first-call-") as folder:
@@ -390,8 +353,8 @@ def main() -> None:
         return
     impls = {
         "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
-        "sdpa_fa2": (sdpa_fn(SDPBackend.FLASH_ATTENTION), "bhtd"),
-        "sdpa_cudnn": (sdpa_fn(SDPBackend.CUDNN_ATTENTION), "bhtd"),
+        "sdpa_fa2": (forced_sdpa("FLASH_ATTENTION"), "bhtd"),
+        "sdpa_cudnn": (forced_sdpa("CUDNN_ATTENTION"), "bhtd"),
     }
     rows = []
     for (B, H, T, D) in shapes:
@@ -399,8 +362,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    md = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | "
-          f"{meta['date']} | bf16 causal, TFLOP/s (median time)", "",
+    md = [*table_header(meta, "bf16 causal, TFLOP/s (median time)"),
           "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
           "fwd+bwd cuDNN | fwd+bwd ours/FA2 | agrees |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|"]

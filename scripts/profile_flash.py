@@ -26,13 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_flash import sdpa_fn  # noqa: E402  (scripts/ is on sys.path when this runs as a script)
 from kernels.flash_attention import flash_attn, launch  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
+from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
 
-SHAPES = [(16, 12, 1024, 64), (4, 12, 2048, 64), (64, 12, 512, 64)]  # (B, H, T, D)
+CUDA = torch.device("cuda")
+SHAPES = [*ANCHORS[:2], (64, 12, 512, 64)]  # (B, H, T, D): the two D=64 anchors and a shorter one
 
 
 def per_call_us(fn, calls: int = 300) -> float:
@@ -49,9 +50,9 @@ def per_call_us(fn, calls: int = 300) -> float:
     return sorted(rounds)[2]
 
 
-def sdpa_step(backend, q, k, v, do):
-    """Forward and backward of SDPA forced to ``backend``; q, k, v, do: (B, H, T, D)."""
-    attend = sdpa_fn(backend)
+def sdpa_step(kernel: str, q, k, v, do):
+    """Forward and backward of SDPA forced to ``kernel`` (an SDPBackend name); q, k, v, do: (B, H, T, D)."""
+    attend = forced_sdpa(kernel)
 
     def step():
         torch.autograd.grad(attend(q, k, v), (q, k, v), do)
@@ -73,8 +74,6 @@ class _Identity(torch.autograd.Function):
 
 def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     """Host microseconds per call of each piece, at a shape small enough to be host-bound."""
-    from torch.nn.attention import SDPBackend
-
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     scale = D ** -0.5
@@ -98,8 +97,8 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
         found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
         found[f"flash_attn fwd+bwd, dropout 0.1 ({tag})"] = per_call_us(lambda: fwd_bwd(0.1))
     launch.LAUNCHER.replay = before
-    found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh))
-    found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh))
+    found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh))
+    found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh))
     return found
 
 
@@ -117,9 +116,6 @@ def kernel_times_us(step, iters: int = 20) -> dict:
 
 
 def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
-    import triton
-    from torch.nn.attention import SDPBackend
-
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
@@ -128,8 +124,8 @@ def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
     def ours():
         torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
 
-    steps = {"flash": ours, "sdpa-fa2": sdpa_step(SDPBackend.FLASH_ATTENTION, qh, kh, vh, doh),
-             "sdpa-cudnn": sdpa_step(SDPBackend.CUDNN_ATTENTION, qh, kh, vh, doh)}
+    steps = {"flash": ours, "sdpa-fa2": sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh),
+             "sdpa-cudnn": sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh)}
     result = {}
     for name, step in steps.items():
         try:
@@ -138,7 +134,7 @@ def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
             kernels = {f"profiler failed: {type(err).__name__}: {err}"[:80]: 0.0}
         result[name] = {
             "back_to_back_us": per_call_us(step, calls=50),
-            "do_bench_us": triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3,
+            "do_bench_us": median_ms(step, CUDA) * 1e3,
             "kernels_us": kernels,
             "kernels_sum_us": sum(kernels.values()),
         }
@@ -146,7 +142,8 @@ def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# profile_flash ({report['device']}, torch {report['torch']}, triton {report['triton']})", "",
+    lines = [f"# profile_flash ({report['device']}, torch {report['torch']}, triton {report['triton']}, "
+             f"{report['date']}, commit {report['commit']})", "",
              f"## Host time per call at (B, H, T, D) = {tuple(report['host_shape'])}, bf16 (microseconds)", "",
              "| piece | us per call |", "|---|---|"]
     lines += [f"| {name} | {us:.1f} |" for name, us in report["host"].items()]
@@ -166,16 +163,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for profile.json and profile.md")
     p.add_argument("--host-shape", type=int, nargs=4, default=[1, 2, 128, 64], metavar=("B", "H", "T", "D"))
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_flash.py measures CUDA launches and kernels and needs a CUDA GPU; on CPU, "
-              "scripts/bench_attention.py --device cpu runs every backend", file=sys.stderr)
-        sys.exit(2)
-    import triton
-
+    require_cuda("profile_flash.py", "measures CUDA launches and kernels",
+                 "scripts/bench_attention.py --device cpu runs every backend")
     dtype = torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "host_shape": args.host_shape, "host": host_pieces(*args.host_shape, dtype), "shapes": {}}
+    report = {**environment(CUDA), "host_shape": args.host_shape, "host": host_pieces(*args.host_shape, dtype), "shapes": {}}
     for shape in SHAPES:  # written after each part, so a failure later keeps what was measured
         write(report, args.out)
         report["shapes"][str(shape)] = shape_profile(*shape, dtype)

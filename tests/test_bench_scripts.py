@@ -1,5 +1,6 @@
-"""The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate),
-compare_runs (on a real multirun of experiment=compare_backends and on hand-written runs) and fit."""
+"""The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate), the
+pieces the bench scripts share, compare_runs (on a real multirun of experiment=compare_backends and on
+hand-written runs), fit, and plot_runs (the docs' plots from docs/runs)."""
 import csv
 import importlib.util
 import json
@@ -84,6 +85,30 @@ def test_bench_attention_stops_when_a_backend_disagrees(capsys):
     assert stop.value.code == 1 and "wrong o relative error" in capsys.readouterr().err
 
 
+def test_forced_sdpa_takes_heads_first_or_last_and_grouped_heads():
+    from scripts.bench_common import forced_sdpa, relative_error
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64)  # (B, H, T, D)
+    k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64) for _ in range(2))  # two query heads per kv head
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 8 ** 0.5
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v.repeat_interleave(2, dim=1)
+
+    heads_first = forced_sdpa("MATH")(q, k, v)
+    heads_last = forced_sdpa("MATH", heads_first=False)(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert relative_error(heads_first, expected) < 1e-6
+    assert torch.equal(heads_last.transpose(1, 2), heads_first)
+    with pytest.raises(AttributeError):
+        forced_sdpa("NO_SUCH_KERNEL")
+
+
+def test_plot_runs_draws_the_docs_plots_from_the_raw_runs(tmp_path):
+    load_script("plot_runs").main(["--out", str(tmp_path)])
+    for name in ("flash_anchors.png", "gpt2_end_to_end.png", "fit_gpt2.png", "cross_entropy.png", "scaling_2xh200.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args,message", [
     (["--device", "cpu", "--vram-budget-gb", "8"], "--vram-budget-gb caps GPU memory and needs a CUDA GPU"),
@@ -121,7 +146,8 @@ def test_bench_flash_first_call_table_holds_each_shape_to_its_target():
              "warm": run(0.2, 0.0, 0)},
             {"shape": ["fp16", 2, 8, 512, 80], "cold": run(10.6, 2.0, 2), "warm": run(0.3, 0.0, 0)},
             {"shape": ["bf16", 2, 8, 512, 64], "cold": run(6.0, 1.0, 1), "warm": run(1.1, 1.0, 1)}]
-    meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today"}
+    meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today", "commit": "abc1234",
+            "command": "python scripts/bench_flash.py --first-call"}
     text = bench.first_call_table(rows, meta)
     table = markdown_table(text, "device: GPU")
     assert table[0][-2:] == ["target (cold)", "met"]

@@ -1,0 +1,1 @@
+"""Command-line tools; bench_common.py holds what the benchmark scripts share."""
