@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
-from model.attention import validate_attention
+from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.distributed import KINDS
 
@@ -91,6 +91,9 @@ def validate(cfg: TrainConfig) -> None:
     """Check every value the type system cannot; raise UserError naming the option and the fix."""
     validate_model(cfg.model)
     validate_attention(cfg.attention)
+    if cfg.model.attention_dropout_p > 0:
+        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
+        check_options(cfg.attention.name, {"dropout_p": f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"})
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
     check_choice("optim.schedule", o.schedule, SCHEDULES)
