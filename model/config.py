@@ -20,7 +20,8 @@ class ModelConfig:
     n_embd: int = 384
     block_size: int = 256  # longest sequence the model accepts
     vocab_size: Optional[int] = None  # None: taken from the tokenizer, padded to a multiple of 64
-    dropout: float = 0.1
+    dropout: float = 0.1  # embeddings, residual branches, MLP and (unless attention_dropout is set) attention probabilities
+    attention_dropout: Optional[float] = None  # dropout of the attention probabilities; None: the same as dropout
     bias: bool = False
     norm: str = "layernorm"
     pos: str = "learned"
@@ -35,6 +36,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def attention_dropout_p(self) -> float:
+        """The probability of dropping each attention probability in training."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -60,6 +66,8 @@ def validate_model(cfg: ModelConfig) -> None:
         raise UserError(f"model.pos=rope needs an even head size, got n_embd/n_head={cfg.head_dim}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise UserError(f"model.dropout={cfg.dropout} must be in [0, 1)")
+    if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
+        raise UserError(f"model.attention_dropout={cfg.attention_dropout} must be in [0, 1) (or null for model.dropout's)")
     for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
         check_choice(f"model.{key}", getattr(cfg, key), choices)
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:

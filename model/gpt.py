@@ -48,19 +48,21 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = cfg.attention_dropout_p  # of the attention probabilities, inside the backend
         self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """x: (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        options = {"dropout_p": self.attn_dropout} if self.training and self.attn_dropout > 0 else {}
         if rope is None and self.attention.packed is not None:
-            y = self.attention.packed(qkv, self.n_head, doc_ids=doc_ids)  # (B, T, H, D)
+            y = self.attention.packed(qkv, self.n_head, doc_ids=doc_ids, **options)  # (B, T, H, D)
         else:
             q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            y = self.attention(q, k, v, doc_ids=doc_ids)  # (B, T, H, D)
+            y = self.attention(q, k, v, doc_ids=doc_ids, **options)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
 

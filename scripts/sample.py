@@ -4,8 +4,9 @@
     python scripts/sample.py outputs/run/checkpoints/step_0000300.pt --temperature 0.7 --top-k 50
     python scripts/sample.py outputs/fsdp-run/checkpoints/step_0000300   # a sharded (FSDP) checkpoint
 
-A run folder means its newest checkpoint. The tokenizer comes from the data settings saved in the
-checkpoint (the token cache is rebuilt if it is missing).
+A run folder means its best checkpoint (checkpoints/best.pt, kept with trainer.keep_best=true) when
+it has one, else its newest; the checkpoint used is named on stderr. The tokenizer comes from the
+data settings saved in the checkpoint (the token cache is rebuilt if it is missing).
 """
 import argparse
 import sys
@@ -22,14 +23,15 @@ from errors import UserError  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
-from training.checkpoint import NAME, latest_checkpoint, load_checkpoint, load_into_plain_model, saved_vocab_size  # noqa: E402
+from training.checkpoint import (NAME, best_checkpoint, latest_checkpoint, load_checkpoint,  # noqa: E402
+                                 load_into_plain_model, saved_vocab_size)
 from training.cli import fail  # noqa: E402
 from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="a run folder (newest checkpoint) or a checkpoint file")
+    p.add_argument("checkpoint", help="a run folder (its best.pt, else its newest checkpoint) or a checkpoint file")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--samples", type=int, default=1, help="independent samples")
@@ -41,18 +43,27 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_state(path: Path):
-    """(checkpoint path, its state): the newest checkpoint of a run folder, or the checkpoint named."""
-    if not NAME.match(path.name):
-        found, state = latest_checkpoint(path)
-        if state is None:
-            raise UserError(f"{path} holds no checkpoint; give a run folder with checkpoints/ or a checkpoint")
-        return found, state
-    return path, load_checkpoint(path)
+    """(checkpoint path, its state): the checkpoint named, or of a run folder its best.pt when it has
+    one, else its newest checkpoint."""
+    if NAME.match(path.name) or path.is_file():
+        return path, load_checkpoint(path)
+    if best_checkpoint(path).is_file():
+        return best_checkpoint(path), load_checkpoint(best_checkpoint(path))
+    found, state = latest_checkpoint(path)
+    if state is None:
+        raise UserError(f"{path} holds no checkpoint; give a run folder with checkpoints/ or a checkpoint")
+    return found, state
+
+
+def describe(path: Path, state: dict) -> str:
+    val_loss = f", val loss {state['val_loss']:.4f}" if "val_loss" in state else ""
+    return f"sampling from {path} (step {state['step']}{val_loss})"
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     path, state = load_state(Path(args.checkpoint))
+    print(describe(path, state), file=sys.stderr)
     config = state["config"]
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)

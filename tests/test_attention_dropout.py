@@ -1,14 +1,28 @@
-"""Attention dropout in the PyTorch backends (naive, hybrid, tiled, sdpa), on CPU.
+"""Attention dropout in the PyTorch backends (naive, hybrid, tiled, sdpa), on CPU, and in the model.
 
 The mask a backend drew is read back exactly: with V the identity (D >= T) the output row of a
 query is its row of dropped, rescaled probabilities. The same seed then reruns with real inputs,
 and the result is held against a float64 reference that applies that very mask.
+
+In the model (every backend of the table, flash under Triton's interpreter without a GPU): the
+attention layer passes dropout_p in training only, so evaluation is deterministic, and a short run
+with attention dropout trains.
 """
+import dataclasses
+import json
+import math
+
 import pytest
 import torch
 
-from model.attention import hybrid, naive, sdpa, tiled
+from conftest import tiny_config
+from errors import UserError
+from model import GPT, ModelConfig
+from model.attention import BACKENDS as TABLE, Attention, build_attention, hybrid, naive, sdpa, tiled
+from model.config import AttentionConfig
 from test_attention_backends import random_doc_ids, reference_probs
+from training.config import validate
+from training.loop import train
 
 BACKENDS = {
     "naive": naive.attend,
@@ -131,3 +145,103 @@ def test_no_future_key_leaks_under_dropout(backend):
         assert torch.equal(dk[:, t + 1:], torch.zeros_like(dk[:, t + 1:]))
         assert torch.equal(dv[:, t + 1:], torch.zeros_like(dv[:, t + 1:]))
         assert dv[:, : t + 1].abs().sum() > 0
+
+
+class RecordingAttention:
+    """Stands in for a backend (plain and packed): answers zeros and records the options of each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attend(self, q, k, v, doc_ids=None, **options):
+        self.calls.append(options)
+        return torch.zeros_like(q)
+
+    def packed(self, qkv, n_head, doc_ids=None, **options):
+        self.calls.append(options)
+        return qkv.new_zeros(*qkv.shape[:2], n_head, qkv.shape[3])
+
+
+def small_gpt(attention, **model_kw) -> GPT:
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, **model_kw)
+    return GPT(cfg, attention)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+@pytest.mark.parametrize("dropout, attention_dropout, passed", [
+    (0.2, None, 0.2),  # model.dropout drops attention probabilities too
+    (0.2, 0.05, 0.05),  # unless model.attention_dropout says otherwise
+    (0.0, 0.3, 0.3),
+    (0.2, 0.0, None),  # 0: the backend is called without the option
+    (0.0, None, None),
+])
+def test_the_attention_receives_dropout_p_only_in_training(packed, dropout, attention_dropout, passed):
+    recorder = RecordingAttention()
+    attention = Attention("recording", recorder.attend, recorder.packed if packed else None)
+    model = small_gpt(attention, dropout=dropout, attention_dropout=attention_dropout)
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)
+    assert recorder.calls == [{"dropout_p": passed} if passed is not None else {}] * 2  # one call per layer
+    recorder.calls.clear()
+    model.eval()
+    model(x, x)
+    model.generate(x[:, :4], 2)
+    assert recorder.calls == [{}] * 2 * 3  # evaluation and sampling never drop
+
+
+def built(name: str) -> Attention:
+    attention, ran = build_attention(AttentionConfig(name=name, strict=True), torch.device("cpu"))
+    assert ran == name
+    return attention
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_evaluation_with_dropout_is_deterministic_and_equals_no_dropout(name):
+    """Eval mode: the same loss twice, bitwise the loss of the same weights built without dropout;
+    training mode with attention dropout only: the loss changes from call to call."""
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for p in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = small_gpt(built(name), dropout=0.0, attention_dropout=p)
+        model.eval()
+        with torch.no_grad():
+            losses[p] = [model(x, x)[1] for _ in range(2)]
+    assert torch.equal(losses[0.5][0], losses[0.5][1]) and torch.equal(losses[0.5][0], losses[0.0][0])
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(x, x)[1], model(x, x)[1])
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_a_run_with_attention_dropout_trains_with_every_backend(tmp_path, data_cache, name):
+    """Only attention dropout (p = 0.3): every loss finite, and the loss falls. fp32 on CPU; flash
+    there runs under Triton's interpreter (about 2.5 s a step), so for 8 steps of 4 sequences."""
+    interpreted = name == "flash" and not torch.cuda.is_available()
+    steps, batch, drop = (8, 4, 0.2) if interpreted else (30, 8, 0.3)
+    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1)
+    cfg.model = dataclasses.replace(cfg.model, dropout=0.0, attention_dropout=0.3)
+    cfg.attention.name, cfg.attention.strict = name, True
+    validate(cfg)
+    summary = train(cfg, tmp_path)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert summary["backend"] == name and len(losses) == steps and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] - drop, losses
+
+
+def test_attention_dropout_is_checked_against_the_backend_and_its_range(monkeypatch, data_cache):
+    cfg = tiny_config(data_cache)
+    cfg.model.attention_dropout = 1.0
+    with pytest.raises(UserError, match=r"^model.attention_dropout=1.0 must be in \[0, 1\)"):
+        validate(cfg)
+    from model import attention
+
+    table = dict(TABLE, plain=dataclasses.replace(TABLE["naive"], name="plain", options=("window",)))
+    monkeypatch.setattr(attention, "BACKENDS", table)
+    cfg = tiny_config(data_cache)
+    cfg.attention.name = "plain"
+    with pytest.raises(UserError, match=r"^attention=plain cannot run with model.dropout=0.1 \(attention dropout\); "
+                                        r"backends that can: naive, hybrid, tiled, sdpa, flash$"):
+        validate(cfg)
+    cfg.model.attention_dropout = 0.0  # dropout elsewhere only: any backend
+    validate(cfg)

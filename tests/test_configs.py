@@ -1,15 +1,19 @@
 """Every default lives in the schema (training/config.py): the root config is the schema's defaults,
 group files hold only what their choice changes, presets only what they change; debug and local."""
+import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from conftest import REPO, run_env
 from training.cli import GROUPS, group_choices
 from training.config import TrainConfig, register_configs, validate
+from training.optim import lr_at
 
 CONFIGS = REPO / "configs"
 PRESETS = ("experiment", "debug")  # `# @package _global_` files that set values of other groups
@@ -123,3 +127,51 @@ def test_a_local_file_applies_after_the_presets_and_local_picks_another(tmp_path
 def test_the_machines_own_local_files_stay_out_of_git():
     ignore = (CONFIGS / "local" / ".gitignore").read_text().splitlines()
     assert "*" in ignore and "!.gitignore" in ignore
+
+
+# nanoGPT's config/train_shakespeare_char.py, with the values of its train.py that the config keeps
+# (beta1, weight decay, clipping, compile, no bias), as options of ours.
+NANOGPT_BABY_GPT = {
+    "model.n_layer": 6, "model.n_head": 6, "model.n_embd": 384, "model.block_size": 256,
+    "model.dropout": 0.2, "model.attention_dropout": None, "model.bias": False,  # dropout on attention too
+    "trainer.batch_size": 64, "trainer.grad_accum": 1, "trainer.max_steps": 5000,
+    "optim.lr": 1e-3, "optim.min_lr": 1e-4, "optim.warmup_steps": 100, "optim.schedule": "cosine",  # lr_decay_iters = max_iters
+    "optim.betas": [0.9, 0.99], "optim.weight_decay": 0.1, "trainer.grad_clip": 1.0,
+    "trainer.eval_interval": 250, "trainer.eval_iters": 200, "trainer.log_interval": 10,
+    "trainer.compile": True, "trainer.keep_best": True,  # always_save_checkpoint = False: the best val's checkpoint
+    "data.tokenizer": "char", "data.path": None, "data.val_fraction": 0.1,  # Tiny Shakespeare, first 90% / last 10%
+    "attention.name": "flash",
+}
+
+
+def test_the_shakespeare_char_preset_composes_to_nanogpts_baby_gpt():
+    """Composed the way a user does (`python train.py experiment=shakespeare_char --cfg job`)."""
+    proc = subprocess.run([sys.executable, "train.py", "experiment=shakespeare_char", "--cfg", "job"],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    values = dict(leaves(OmegaConf.to_container(OmegaConf.create(proc.stdout))))
+    assert {key: values[key] for key in NANOGPT_BABY_GPT} == NANOGPT_BABY_GPT
+    validate(typed(composed(["experiment=shakespeare_char"])))
+
+
+def nanogpt_lr(it: int, lr=1e-3, min_lr=1e-4, warmup_iters=100, lr_decay_iters=5000) -> float:
+    """nanoGPT's get_lr for its iteration ``it`` (0-based): warm-up lr * (it + 1) / (warmup + 1), then
+    cosine from lr to min_lr over iterations warmup .. lr_decay_iters."""
+    if it < warmup_iters:
+        return lr * (it + 1) / (warmup_iters + 1)
+    ratio = min(1.0, (it - warmup_iters) / (lr_decay_iters - warmup_iters))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def test_the_preset_schedule_is_nanogpts_within_one_percent_in_warm_up_and_a_step_after():
+    """Our step s (1-based) is nanoGPT's iteration s - 1. Warm-up: ours reaches lr at step 100, nanoGPT
+    lr * 100 / 101 (1 % apart at most); after it both are the same cosine, ours one step ahead
+    (at most 3e-7 apart, 0.03 % of min_lr), ending at min_lr where nanoGPT's step 5000 is within
+    1e-10 of it."""
+    optim = typed(composed(["experiment=shakespeare_char"])).optim
+    ours = [lr_at(step, optim, 5000) for step in range(1, 5001)]
+    theirs = [nanogpt_lr(step - 1) for step in range(1, 5001)]
+    warm_up = [abs(a - b) / b for a, b in zip(ours[:100], theirs[:100])]
+    assert max(warm_up) == pytest.approx(1 / 100, rel=1e-9)
+    assert max(abs(a - b) for a, b in zip(ours[100:], theirs[100:])) < 3e-7
+    assert ours[-1] == pytest.approx(1e-4, abs=1e-15) and theirs[-1] == pytest.approx(1e-4, abs=1e-10)

@@ -167,9 +167,29 @@ def test_a_captured_checkpoint_resumes_without_the_graph(tmp_path, data_cache):
 
 
 @CUDA
-def test_a_captured_run_with_dropout_learns(tmp_path, data_cache):
-    cfg = gpu_config(data_cache, cuda_graph=True, max_steps=60, log_interval=10)
-    cfg.model.dropout = 0.1
+@pytest.mark.parametrize("attention, compile_", [("sdpa", False), ("flash", False), ("flash", True)])
+def test_a_captured_run_with_dropout_learns(tmp_path, data_cache, attention, compile_):
+    """Compiled with flash, as experiment=shakespeare_char runs (Inductor's own dropout bits and the
+    kernel's, both drawn inside the captured step)."""
+    cfg = gpu_config(data_cache, cuda_graph=True, compile=compile_, max_steps=60, log_interval=10)
+    cfg.model.dropout = 0.1  # the attention probabilities too
+    cfg.attention.name, cfg.attention.strict = attention, True
     train(cfg, tmp_path)
     records = loss_records(tmp_path)
     assert records[-1][1] < records[0][1] - 0.5
+
+
+@CUDA
+def test_a_captured_run_with_attention_dropout_draws_fresh_bits_at_every_replay(tmp_path, data_cache):
+    """flash with attention dropout only: the kernel draws its seed with a device RNG op inside the
+    step, so each replay advances torch's generator exactly as an eager step does, and the captured
+    run equals the uncaptured one step for step. A replay that reused the captured step's dropout
+    mask would be off by far more than the tolerance from the first replayed step on."""
+    runs = {}
+    for captured in (False, True):
+        cfg = gpu_config(data_cache, cuda_graph=captured)
+        cfg.model.attention_dropout = 0.3
+        cfg.attention.name, cfg.attention.strict = "flash", True
+        train(cfg, tmp_path / str(captured))
+        runs[captured] = loss_records(tmp_path / str(captured))
+    assert_same_records(runs[True], runs[False], rel=1e-3)

@@ -102,11 +102,17 @@ def test_a_second_prepare_reuses_the_cache(shakespeare, capsys):
     assert again.train_path.stat().st_mtime_ns == shakespeare.train_path.stat().st_mtime_ns
 
 
-def test_char_level_shakespeare_has_65_symbols(tmp_path):
+def test_char_level_shakespeare_has_65_symbols_and_nanogpts_split(tmp_path):
+    """nanoGPT's data/shakespeare_char/prepare.py: ids are the sorted characters, train is the first
+    int(n * 0.9) characters and val the rest (1,003,854 and 111,540 tokens)."""
     data = prepare(DataConfig(name="sc", tokenizer="char", cache_dir=str(tmp_path)))
-    assert data.vocab_size == 65 and len(data.manifest["chars"]) == 65
-    assert data.eot_id is None and data.train_tokens + data.val_tokens == 1_115_394
-    assert load_tokenizer(data.manifest).decode(np.fromfile(data.train_path, np.uint16)[:14].tolist()) == "First Citizen:"
+    text = EMBEDDED.read_text(encoding="utf-8")
+    assert data.vocab_size == 65 and data.manifest["chars"] == "".join(sorted(set(text)))
+    assert data.eot_id is None and (data.train_tokens, data.val_tokens) == (1_003_854, 111_540)
+    tokenizer = load_tokenizer(data.manifest)
+    cut = int(len(text) * 0.9)
+    assert tokenizer.decode(np.fromfile(data.train_path, np.uint16).tolist()) == text[:cut]
+    assert tokenizer.decode(np.fromfile(data.val_path, np.uint16).tolist()) == text[cut:]
 
 
 def rebuild_reason(cfg, capsys) -> str:

@@ -22,7 +22,8 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 def twin_models(**model_kw):
     """The same GPT weights behind the flash and the sdpa backend."""
-    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=48, vocab_size=128, dropout=0.0, **model_kw)
+    model_kw = {"dropout": 0.0, **model_kw}
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=48, vocab_size=128, **model_kw)
     models = {}
     for name in ("flash", "sdpa"):
         attend, actual = build_attention(AttentionConfig(name=name, strict=True), DEVICE)
@@ -74,8 +75,29 @@ def test_the_model_hands_flash_the_unsplit_projection_unless_rope_changes_q_and_
         assert calls == expected, pos  # per layer (2): 4 query + 4 key + 4 value heads of 16
 
 
-def test_flash_model_compiles_without_graph_break():
-    model = twin_models()["flash"]
+@pytest.mark.parametrize("pos, kernel", [("learned", "flash_attn_qkvpacked"), ("rope", "flash_attn")])
+def test_attention_dropout_reaches_the_kernel_in_training_only(monkeypatch, pos, kernel):
+    """model.dropout reaches the packed kernel (and the plain one under RoPE) as dropout_p, in
+    training; in evaluation the kernel runs without dropout."""
+    from model.attention import flash
+
+    seen = []
+    original = getattr(flash, kernel)
+    monkeypatch.setattr(flash, kernel, lambda *a, **kw: seen.append(kw["dropout_p"]) or original(*a, **kw))
+    model = twin_models(pos=pos, dropout=0.2)["flash"]
+    x = torch.randint(0, 128, (2, 40)).to(DEVICE)
+    model(x, x)
+    assert seen == [0.2, 0.2]
+    seen.clear()
+    model.eval()
+    model(x, x)
+    assert seen == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["plain", "dropout"])
+def test_flash_model_compiles_without_graph_break(dropout):
+    """In training, with dropout on the attention (the packed kernel) and elsewhere too."""
+    model = twin_models(dropout=dropout)["flash"]
     x = torch.randint(0, 128, (2, 40)).to(DEVICE)
     explained = torch._dynamo.explain(model)(x, x)
     assert explained.graph_break_count == 0, explained.break_reasons

@@ -33,10 +33,14 @@ def test_loss_falls_and_every_record_is_complete(tmp_path, data_cache, backend):
     assert summary["backend"] == backend and summary["step"] == 60
 
 
-def test_resume_after_a_kill_matches_the_uninterrupted_run_exactly(tmp_path, data_cache):
+@pytest.mark.parametrize("backend", ["naive", "hybrid", "tiled", "sdpa"])
+def test_resume_after_a_kill_matches_the_uninterrupted_run_exactly(tmp_path, data_cache, backend):
     """Run 20 steps; then, in a copy, drop the step-20 checkpoint and the records after step 10 are
-    replayed from the step-10 checkpoint: every metric and the final weights must be bitwise equal."""
+    replayed from the step-10 checkpoint: every metric and the final weights must be bitwise equal.
+    Dropout is on everywhere, attention probabilities included (the RNG state is in the checkpoint)."""
     cfg = tiny_config(data_cache)
+    cfg.model.attention_dropout = 0.3
+    cfg.attention.name = backend
     full = tmp_path / "full"
     train(cfg, full)
     killed = tmp_path / "killed"

@@ -2,7 +2,13 @@
 
 A checkpoint is one file ``<run dir>/checkpoints/step_XXXXXXX.pt`` holding plain tensors and
 containers only, so it loads with ``torch.load(weights_only=True)``: model, optimizer, grad scaler,
-step, RNG states, data-loader position, the config it was made with, and the wandb run id.
+step, RNG states, data-loader position, the config it was made with, the wandb run id and the best
+validation loss so far.
+
+With ``trainer.keep_best=true`` the run also keeps ``checkpoints/best.pt``: the same contents at
+the evaluation with the lowest validation loss so far (its ``val_loss`` added), rewritten each
+time it improves and never pruned. Resuming (``trainer.resume=auto``) still takes the newest
+``step_`` checkpoint.
 
 Under FSDP (``trainer.distributed=fsdp``) it is a folder ``step_XXXXXXX/`` instead: every rank
 writes its shards of the model and optimizer with ``torch.distributed.checkpoint`` (DCP) and rank 0
@@ -12,6 +18,7 @@ FSDP with any number of ranks.
 A run saves through its ``Checkpointer`` and starts with ``restore`` (``trainer.resume``), which
 refuses a checkpoint of another model shape or layout.
 """
+import math
 import os
 import re
 import shutil
@@ -31,6 +38,7 @@ from training.optim import plain_state_dict
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"
+BEST = "best.pt"
 # Model options a checkpoint must share with the run that resumes it.
 SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "mlp")
 
@@ -55,14 +63,24 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     point leaves either the old set of checkpoints or the new one, never a half-written file under
     a checkpoint's name.
     """
-    folder = checkpoint_dir(run_dir)
+    final = _write_atomically(checkpoint_dir(run_dir), f"step_{step:07d}.pt", state)
+    prune(run_dir, step, keep)
+    return final
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    """Where ``trainer.keep_best`` keeps the checkpoint of the lowest validation loss."""
+    return checkpoint_dir(run_dir) / BEST
+
+
+def _write_atomically(folder: Path, name: str, state: dict) -> Path:
+    """``state`` as ``folder / name``, through a temporary file flushed to disk and then renamed, so a
+    crash at any point leaves the old file or the new one, never a half-written file under the name."""
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"step_{step:07d}.pt"
-    tmp = folder / f".step_{step:07d}.pt.tmp"
+    final, tmp = folder / name, folder / f".{name}.tmp"
     _write_synced(tmp, state)
     os.replace(tmp, final)
     _fsync_dir(folder)
-    prune(run_dir, step, keep)
     return final
 
 
@@ -208,16 +226,39 @@ class Checkpointer:
     wandb id. Whole-model files come from rank 0; under FSDP every rank writes its shards."""
 
     def __init__(self, run_dir: Path, keep: int, model, optimizer, scaler, ranks: distributed.Ranks,
-                 device: torch.device, config: dict, wandb_id: Optional[str]):
+                 device: torch.device, config: dict, wandb_id: Optional[str],
+                 best_val_loss: Optional[float] = None, keep_best: bool = False):
         self.run_dir, self.keep, self.ranks, self.device = run_dir, keep, ranks, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.config, self.wandb_id = config, wandb_id
+        self.best_val_loss, self.keep_best = best_val_loss, keep_best  # the lowest validation loss so far
 
     def save(self, step: int, loader_state: dict, rng: Optional[dict] = None) -> Optional[Path]:
         """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing."""
         if not (self.ranks.is_main or self.ranks.sharded):
             return None  # a whole-model checkpoint is rank 0's alone
-        state = {
+        state = self._meta(step, loader_state, rng)
+        if self.ranks.sharded:
+            return save_sharded_checkpoint(self.run_dir, step, self.model, self.optimizer, state, self.keep,
+                                           self.ranks.is_main)
+        state.update(model=self.model.state_dict(), optimizer=plain_state_dict(self.optimizer))
+        return save_checkpoint(self.run_dir, step, state, self.keep)
+
+    def save_if_best(self, step: int, val_loss: float, loader_state: dict) -> Optional[Path]:
+        """Remember ``val_loss`` when it is finite and lower than the best so far; with keep_best, write
+        it to checkpoints/best.pt (rank 0). The path written, or None."""
+        if not math.isfinite(val_loss) or (self.best_val_loss is not None and val_loss >= self.best_val_loss):
+            return None
+        self.best_val_loss = val_loss
+        if not (self.keep_best and self.ranks.is_main):
+            return None
+        state = self._meta(step, loader_state, None)
+        state.update(model=self.model.state_dict(), optimizer=plain_state_dict(self.optimizer), val_loss=val_loss)
+        return _write_atomically(checkpoint_dir(self.run_dir), BEST, state)
+
+    def _meta(self, step: int, loader_state: dict, rng: Optional[dict]) -> dict:
+        """Everything a checkpoint holds besides the model and optimizer."""
+        return {
             "step": step,
             "vocab_size": self.model.cfg.vocab_size,
             "scaler": self.scaler.state_dict(),
@@ -225,29 +266,28 @@ class Checkpointer:
             "rng": rng if rng is not None else rng_state(self.device),
             "config": self.config,
             "wandb_id": self.wandb_id,
+            "best_val_loss": self.best_val_loss,
         }
-        if self.ranks.sharded:
-            return save_sharded_checkpoint(self.run_dir, step, self.model, self.optimizer, state, self.keep,
-                                           self.ranks.is_main)
-        state.update(model=self.model.state_dict(), optimizer=plain_state_dict(self.optimizer))
-        return save_checkpoint(self.run_dir, step, state, self.keep)
 
 
 def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device: torch.device,
-            ranks: distributed.Ranks) -> Tuple[int, Optional[str]]:
-    """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
+            ranks: distributed.Ranks) -> Tuple[int, Optional[str], Optional[float]]:
+    """Load the checkpoint ``trainer.resume`` names into the run.
+
+    Returns (step reached, wandb id, best validation loss so far)."""
     if resume == "none":
-        old = list_checkpoints(run_dir) if ranks.is_main else []
+        best = best_checkpoint(run_dir)
+        old = list_checkpoints(run_dir) + ([best] if best.is_file() else []) if ranks.is_main else []
         if old:
             print(f"trainer.resume=none: starting over, removing {len(old)} old checkpoint(s) in {checkpoint_dir(run_dir)}")
             for path in old:
                 remove_checkpoint(path)
         distributed.barrier()  # no rank may look for checkpoints while rank 0 removes them
-        return 0, None
+        return 0, None, None
     if resume == "auto":
         path, state = latest_checkpoint(run_dir)
         if state is None:
-            return 0, None
+            return 0, None, None
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
     check_compatible(path, state, model.cfg)
@@ -262,7 +302,7 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
     restore_rng_state(state["rng"], device)
     if ranks.is_main:
         print(f"resuming from {path} (step {state['step']})")
-    return state["step"], state.get("wandb_id")
+    return state["step"], state.get("wandb_id"), state.get("best_val_loss")
 
 
 def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:

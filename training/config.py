@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
-from model.attention import validate_attention
+from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.distributed import KINDS
 
@@ -52,6 +52,7 @@ class TrainerConfig:
     log_interval: int = 10
     ckpt_interval: int = 250
     keep_checkpoints: int = 2
+    keep_best: bool = False  # also write checkpoints/best.pt whenever the validation loss improves (never pruned)
     resume: str = "auto"  # auto | none | <path to a checkpoint file>
     seed: int = 1337
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
@@ -91,6 +92,9 @@ def validate(cfg: TrainConfig) -> None:
     """Check every value the type system cannot; raise UserError naming the option and the fix."""
     validate_model(cfg.model)
     validate_attention(cfg.attention)
+    if cfg.model.attention_dropout_p > 0:
+        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
+        check_options(cfg.attention.name, {"dropout_p": f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"})
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
     check_choice("optim.schedule", o.schedule, SCHEDULES)
@@ -105,6 +109,9 @@ def validate(cfg: TrainConfig) -> None:
     check_choice("trainer.device", t.device, DEVICES)
     check_choice("trainer.dtype", t.dtype, DTYPES)
     check_choice("trainer.distributed", t.distributed, KINDS)
+    if t.keep_best and t.distributed == "fsdp":
+        raise UserError("trainer.keep_best=true writes a whole-model best.pt, which trainer.distributed=fsdp does not "
+                        "make; use trainer.distributed=ddp or none, or trainer.keep_best=false")
     if t.batch_size != "auto" and (isinstance(t.batch_size, bool) or not isinstance(t.batch_size, int) or t.batch_size <= 0):
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
     if not (isinstance(t.cuda_graph, bool) or t.cuda_graph == "auto"):

@@ -73,6 +73,7 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
                 with run.meter.paused():
                     val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype)
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
+                    run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
             if ckpt_due and last_good:
                 with run.meter.paused():
                     saved = run.checkpointer.save(step, run.train_loader.state_dict())

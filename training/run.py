@@ -79,7 +79,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
     train_loader, val_loader = make_loaders(data, cfg, batch_size, ranks, device)
-    start_step, wandb_id = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device, ranks)
+    start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device, ranks)
 
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     finished = start_step >= t.max_steps
@@ -103,7 +103,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
         start_step=start_step,
         tokens_per_step=tokens_per_step,
         checkpointer=Checkpointer(run_dir, t.keep_checkpoints, model, optimizer, scaler, ranks, device, config,
-                                  logger.wandb_id),
+                                  logger.wandb_id, best_val_loss, t.keep_best),
         logger=logger,
         meter=throughput_meter(model, ranks, device, t.peak_tflops),
         profiler=StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps),

@@ -4,7 +4,9 @@ Every backend is a function ``attend(q, k, v, doc_ids=None, **options) -> o`` wi
 k and v: (B, T, H_kv, D) (grouped-query attention when H_kv < H), doc_ids: (B, T) document index
 or None; causal, scaled by 1/sqrt(D); o: (B, T, H, D). It takes exactly the keyword options its
 row lists: AttentionConfig keys of that name are bound once by ``build_attention``; the others are
-passed by the caller at each call, only when they are in use.
+passed by the caller at each call, only when they are in use: ``dropout_p``, the probability of
+dropping each attention probability, which the model passes in training only (model.dropout, or
+model.attention_dropout when set).
 
 A backend may also offer a packed variant ``attend_packed(qkv, n_head, doc_ids=None, **options) -> o``
 taking q, k and v side by side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them;
@@ -61,12 +63,12 @@ def flash_unavailable_reason(device: torch.device) -> str:
 
 
 BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
-    Backend("naive", "model.attention.naive:attend", options=("window",)),
-    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size")),
-    Backend("tiled", "model.attention.tiled:attend", options=("window",)),
-    Backend("sdpa", "model.attention.sdpa:attend", options=("window",)),
+    Backend("naive", "model.attention.naive:attend", options=("window", "dropout_p")),
+    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size", "dropout_p")),
+    Backend("tiled", "model.attention.tiled:attend", options=("window", "dropout_p")),
+    Backend("sdpa", "model.attention.sdpa:attend", options=("window", "dropout_p")),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
-            options=("window",), unavailable=flash_unavailable_reason, fallback="sdpa"),
+            options=("window", "dropout_p"), unavailable=flash_unavailable_reason, fallback="sdpa"),
 )}
 
 # AttentionConfig keys that change what attention computes, with the value that turns them off: set

@@ -13,18 +13,21 @@ def attend(
     v: torch.Tensor,
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """q: (B, T, H, D); k, v: (B, T, H_kv, D); doc_ids: (B, T) or None. Returns o: (B, T, H, D).
 
     With document ids the batch is packed into one sequence of B*T tokens and the kernel's varlen
-    path (cu_seqlens) keeps every document to itself.
+    path (cu_seqlens) keeps every document to itself. dropout_p: the kernel's dropout of the
+    attention probabilities (Philox bits, seeded from torch's generator of q's device); pass 0
+    outside training.
     """
     if doc_ids is None:
-        return flash_attn(q, k, v, causal=True, window_size=window)
+        return flash_attn(q, k, v, causal=True, window_size=window, dropout_p=dropout_p)
     B, T, H, D = q.shape
     cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
     packed = (x.reshape(1, B * T, x.shape[2], D) for x in (q, k, v))
-    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens)
+    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens, dropout_p=dropout_p)
     return o.view(B, T, H, D)
 
 
@@ -33,14 +36,16 @@ def attend_packed(
     n_head: int,
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """``attend`` of the q, k, v packed in qkv: (B, T, n_head + 2 * H_kv, D), the fused projection's
     output. Returns o: (B, T, n_head, D); the backward writes qkv's gradient as one tensor, so
     nothing concatenates dq, dk and dv (see kernels/flash_attention/packed.py)."""
     if doc_ids is None:
-        return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window)
+        return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window, dropout_p=dropout_p)
     B, T, _, D = qkv.shape
     cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
     packed = qkv.reshape(1, B * T, qkv.shape[2], D)
-    o = flash_attn_qkvpacked(packed, n_head, causal=True, window_size=window, cu_seqlens=cu_seqlens)
+    o = flash_attn_qkvpacked(packed, n_head, causal=True, window_size=window, cu_seqlens=cu_seqlens,
+                             dropout_p=dropout_p)
     return o.view(B, T, n_head, D)
