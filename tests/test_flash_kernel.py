@@ -835,7 +835,7 @@ def test_dropout_under_cuda_graph_capture_draws_fresh_bits_each_replay_cuda():
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
 
     def attend(rng):
-        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, 64 ** -0.5, True, 0, 0.1)
+        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, None, 64 ** -0.5, True, 0, 0.1)
         return o, torch.autograd.grad(o, (q, k, v), do)
 
     def step():

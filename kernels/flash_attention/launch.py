@@ -124,7 +124,7 @@ class Launcher:
                       device) -> TileConfig | None:
         """The autotuner's pick for these arguments; None after a first call, which tuned and launched."""
         key = (kernel.kind, args["T_BUCKET"], args["HEAD_DIM"], args["IS_CAUSAL"], args["HAS_WINDOW"],
-               args["IS_VARLEN"], args["HAS_DROPOUT"], args["Q"].dtype, device.index)
+               args["IS_VARLEN"], args["HAS_DROPOUT"], args["HAS_GATE"], args["Q"].dtype, device.index)
         cfg = self.tuned.get(key)
         if cfg is not None:
             return cfg
