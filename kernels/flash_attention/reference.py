@@ -37,10 +37,11 @@ def attention_mask(
     return mask
 
 
-def gate_bias(g: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """(B, H, T, T) float64 bias c_i - c_j of log forget gates g (B, T, H), c = cumsum(g) along
-    the sequence, restarting at each document of ``cu_seqlens``. Differentiable in g."""
-    gh = g.to(torch.float64).transpose(1, 2)  # (B, H, T)
+def gate_bias(g: torch.Tensor, cu_seqlens: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, T, T) bias c_i - c_j in ``dtype`` of log forget gates g (B, T, H), c = cumsum(g)
+    along the sequence in ``dtype``, restarting at each document of ``cu_seqlens``. Differentiable
+    in g."""
+    gh = g.to(dtype).transpose(1, 2)  # (B, H, T)
     if cu_seqlens is None:
         c = gh.cumsum(-1)
     else:
@@ -69,9 +70,9 @@ def attention_ref(
     float32. dropout_p > 0: the probabilities are multiplied by keep / (1 - dropout_p), keep being
     ``dropout_mask`` (bool (B, H, T, T), e.g. the kernel's own from ``flash_dropout_mask``) or,
     without one, a fresh Bernoulli(1 - dropout_p) draw from torch's generator.
-    g: None or (B, T, H) log forget gates: the scores gain c_i - c_j (``gate_bias``, computed in
-    float64 whatever compute_dtype, so a low-precision run measures the error of the attention
-    itself, not that of an fp32 cumulative sum).
+    g: None or (B, T, H) log forget gates: the scores gain c_i - c_j (``gate_bias``), computed in
+    the softmax's dtype as a plain implementation would (in float32, c's own rounding grows with
+    |c|, i.e. with T).
     Returns o: (B, T, H, D) in compute_dtype and lse: (B, H, T) (natural log, of the un-dropped
     scores) in at least float32. Differentiable (autograd through plain ops).
     """
@@ -85,7 +86,7 @@ def attention_ref(
     vh = v.to(dt).transpose(1, 2).repeat_interleave(G, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)).to(soft_dt) * scale  # (B, H, T, T)
     if g is not None:
-        scores = scores + gate_bias(g, cu_seqlens).to(soft_dt)
+        scores = scores + gate_bias(g, cu_seqlens, soft_dt)
     mask = attention_mask(T, causal, window_size, cu_seqlens, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
