@@ -21,10 +21,20 @@ Dropout (``HAS_DROPOUT``): with Z = keep / (1 - p) (the forward's mask, regenera
 delta = rowsum(dO * O) is unchanged (it equals rowsum(P * Z * dP)).
 
 Forget gate (``HAS_GATE``): both kernels add (c_i - c_j) * log2(e) to their recomputed scores, as
-the forward does (``gate.py``), and sum the dS tile they form anyway: the dQ kernel stores the row
-sums sum_j dS_ij into DC (B, H, T); the dK/dV kernel then subtracts, for each query head of its kv
-head, the column sums sum_i dS_ij of its key rows, in place. DC then holds dc = dL/dc, whose
-reverse cumulative sum is dg (``gate.gate_grad``).
+the forward does (``gate.py``): the key's c_j per score (a fused multiply-add with the scale), the
+query's c_i folded into the per-row lse. dL/dc_l is the row sum minus the column sum of dS at l.
+The dQ kernel stores the row sums of the dS tiles it forms into DC (B, H, T); the dK/dV kernel then
+subtracts the column sums of its dS tiles, per query head (under GQA it loops over the query heads
+of its kv head, each with its own c), in place. Every element is written by one program of each
+kernel: no atomics, deterministic. ``attn_bwd`` then takes the reverse cumulative sum: dg
+(``gate.gate_grad``).
+
+The row sum is dlse_l in exact arithmetic (adding a constant to a row of scores changes only its
+lse), but not in the kernels' arithmetic: delta = rowsum(dO * O) uses the output rounded to the
+input dtype, so the dS rows sum to dlse plus a rounding residue. Only row and column sums of the
+same dS tiles cancel that residue in dg = sum of dS over pairs j < l <= i; with the exact row sum
+instead, the residues of all later rows pile up in dg (measured 6x the low-precision reference's
+error at T=200 in fp16).
 """
 
 from __future__ import annotations
@@ -67,9 +77,12 @@ def _dkdv_inner(
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
-        if HAS_GATE:  # + (c_i - c_j) * log2(e)
-            s_t += gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)[None, :] - gate_k[:, None]
-        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse
+            s_t -= gate_k[:, None]
+            lse2 = lse * 1.4426950408889634 - gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)
+            p_t = tl.exp2(s_t - lse2[None, :])
+        else:
+            p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
         if MASKED:
             valid = m_mask[None, :]
             if IS_CAUSAL:
@@ -226,7 +239,7 @@ def _dq_inner(
     offs_m, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window,
     seed, offset_lo, offset_hi, rng_row0, threshold, dropout_scale,
-    c_hi, c_lo, ref_hi, ref_lo, gate_q,
+    c_hi, c_lo, ref_hi, ref_lo,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_GATE: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -239,8 +252,8 @@ def _dq_inner(
         v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
-        if HAS_GATE:  # + (c_i - c_j) * log2(e)
-            s += gate_q[:, None] - gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
+        if HAS_GATE:  # - c_j * log2(e); the query's c_i is in lse2
+            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = offs_n[None, :] < seqlen
@@ -350,32 +363,31 @@ def _attn_bwd_dq_kernel(
         c_hi = C_HI + lse_off
         c_lo = C_LO + lse_off
         ref_hi, ref_lo = gate_reference(c_hi, c_lo, start_m, seqlen)
-        gate_q = gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)
+        lse2 -= gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)  # the query's c_i
     else:
         c_hi = None
         c_lo = None
         ref_hi = None
         ref_lo = None
-        gate_q = None
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dc_row = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_WINDOW:
         dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
                                seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                               c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                               c_hi, c_lo, ref_hi, ref_lo,
                                True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                                BLOCK_M, BLOCK_N)
     dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                            offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
                            seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                           c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                           c_hi, c_lo, ref_hi, ref_lo,
                            False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                            BLOCK_M, BLOCK_N)
     dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
                            offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
                            seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                           c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                           c_hi, c_lo, ref_hi, ref_lo,
                            True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                            BLOCK_M, BLOCK_N)
     if HAS_GATE:  # row sums of dS; the dK/dV kernel subtracts the column sums
@@ -487,7 +499,7 @@ def _launch_dq(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: 
     so, sdq = o.stride(), dq.stride()
     ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
                 stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None,
-                HAS_GATE=dc is not None)
+                HAS_GATE=c_hi is not None)
     names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS", "RNG", "C_HI", "C_LO", "DC")
     LAUNCHER.launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
                     ints, q.device, plan)

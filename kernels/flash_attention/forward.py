@@ -19,8 +19,11 @@ the un-dropped probabilities; each tile's probabilities are masked with the keep
 ``dropout.dropout_keep`` before the P V product, and the output is scaled by 1 / (1 - p).
 
 Forget gate (``HAS_GATE``, a constexpr: off, the plain kernel runs): each score gains
-(c_i - c_j) * log2(e), from the hi/lo pair of c = cumsum(g) (``gate.py``), relative to the
-program's first query row; the lse is that of the gated scores.
+(c_i - c_j) * log2(e), from the hi/lo pair of c * log2(e), c = cumsum(g) (``gate.py``), relative to
+the program's first query row. The online softmax runs on the scores minus the key's c_j only: the
+query's c_i is the same for a whole row, so it changes no probability and is added to the lse
+at the end. Per score the gate then costs nothing beyond the scale's multiply (now a fused
+multiply-add); per key block, a few operations on a vector of BLOCK_N.
 
 Pointer arithmetic only (no block pointers / tensor descriptors) so Triton 3.6-3.9 all work.
 """
@@ -69,7 +72,7 @@ def _fwd_inner(
     k_base, v_base, stride_kt, stride_vt,
     offs_m, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window, seed, offset_lo, offset_hi, rng_row0, threshold,
-    c_hi, c_lo, ref_hi, ref_lo, gate_q,
+    c_hi, c_lo, ref_hi, ref_lo,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_GATE: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,8 +85,8 @@ def _fwd_inner(
         v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 logits
-        if HAS_GATE:  # + (c_i - c_j) * log2(e)
-            s += gate_q[:, None] - gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
+        if HAS_GATE:  # - c_j * log2(e), relative to the block's first query row (c_i joins the lse)
+            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
         if MASKED:
             valid = offs_n[None, :] < seqlen
             if IS_CAUSAL:
@@ -164,13 +167,11 @@ def _attn_fwd_kernel(
         c_hi = C_HI + lse_off
         c_lo = C_LO + lse_off
         ref_hi, ref_lo = gate_reference(c_hi, c_lo, start_m, seqlen)
-        gate_q = gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)
     else:
         c_hi = None
         c_lo = None
         ref_hi = None
         ref_lo = None
-        gate_q = None
 
     # Key ranges: [lo, b) window edge (masked), [b, c) full (unmasked), [c, hi) diagonal/ragged.
     if IS_CAUSAL:
@@ -196,19 +197,19 @@ def _attn_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                    offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
                                    seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                                   c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                                   c_hi, c_lo, ref_hi, ref_lo,
                                    True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                                    BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
                                seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                               c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                               c_hi, c_lo, ref_hi, ref_lo,
                                False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                                BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
                                seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                               c_hi, c_lo, ref_hi, ref_lo, gate_q,
+                               c_hi, c_lo, ref_hi, ref_lo,
                                True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
                                BLOCK_M, BLOCK_N)
 
@@ -217,6 +218,8 @@ def _attn_fwd_kernel(
         o = acc * (dropout_scale / l_safe)[:, None]
     else:
         o = acc / l_safe[:, None]
+    if HAS_GATE:  # the row's own c_i * log2(e) (relative to the reference), left out of the softmax
+        m_i += gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural log
     m_mask = offs_m < seqlen
     o_ptrs = (O + o_off + i_h.to(tl.int64) * stride_oh

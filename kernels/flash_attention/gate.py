@@ -8,29 +8,30 @@ token or runs on from the previous documents: the difference cancels the offset.
 cumulative sum along the whole (packed) sequence.
 
 **Where c is computed, and in what precision.** On the host side of the op, with
-``torch.cumsum(..., dtype=float64)``: one scan over B*T*H numbers, microseconds of GPU time
-beside the attention kernels, and exact to ~1e-16 relative. The kernels then need c_i - c_j in
-fp32 for every score. Storing c in fp32 and subtracting would lose bits: |c| grows like T * |g|,
-and fp32 c carries an absolute error of ~6e-8 * |c| (1e-3 at |c| = 16384), which becomes an
-error in every probability even between neighbours whose true difference is tiny. Instead c is
-stored as an unevaluated sum of two fp32 numbers, c = hi + lo (hi = fp32(c), lo = fp32(c - hi)),
-and each program subtracts a reference point of its own block, ref = c at its first row:
+``torch.cumsum(..., dtype=float64)`` (times log2(e): the kernels' scores are base 2): one scan over
+B*T*H numbers, microseconds of GPU time beside the attention kernels, exact to ~1e-16 relative.
+The kernels then need c_i - c_j in fp32. Storing c in fp32 would lose bits: |c| grows like
+T * |g|, and fp32 c carries an absolute error of ~6e-8 * |c| (1e-3 at |c| = 16384), an error in
+every probability, even between neighbours whose true difference is tiny. Instead c is stored as
+an unevaluated sum of two fp32 numbers, hi = fp32(c) and lo = fp32(c - hi), and each program
+subtracts a reference point of its own block (ref = c at its first query or key row):
+c_x - ref = (hi_x - ref_hi) + (lo_x - ref_lo) (:func:`gate_offsets`), exact to fp32 rounding of
+that block-relative value. A score's gate term thus carries an error of ~6e-8 * (|c_i - c_j| +
+2 * block * max|g|), whatever T: the precision of a cumulative sum restarted every block (which
+is what FLA's chunk-local cumsum buys), with no limit on T.
 
-    c_i - c_j = [(hi_i - ref_hi) + (lo_i - ref_lo)] - [(hi_j - ref_hi) + (lo_j - ref_lo)]
-
-Each bracket is computed once per row vector (not per score) and is exact to fp32 rounding of
-its own (small, for rows near the block) value, so a score carries an error relative to its
-decay, not to |c|. Per score the gate costs two adds on a tile that the kernels already scale.
+**Cost per score: none beyond a fused multiply-add.** c_i is the same for a whole row of scores,
+so the forward runs its online softmax on q·k·scale - c_j only and adds c_i to the row's lse at
+the end (the probabilities do not change); the backward kernels fold c_i into the per-row lse they
+subtract anyway. What remains per block is a vector of BLOCK_N (or BLOCK_M) offsets.
 
 **Saved for backward**: g itself (4 bytes per token and head); the backward recomputes hi/lo.
 
-**Backward.** With dS_ij the gradient of the natural-log score (dS = P * (dP - delta), the tile
-the dQ and dK/dV kernels already form), dc_i = sum_j dS_ij - sum_j' dS_j'i: a row sum, which the
-dQ kernel stores, minus a column sum, which the dK/dV kernel subtracts from it in place (per
-query head: under GQA it loops over the query heads of its kv head, each with its own c). Every
-element is written by one program: no atomics, deterministic. Then dg is the reverse cumulative
-sum of dc within each sequence (:func:`gate_grad`, float64 on the host), since g_l enters every
-c_i with i >= l.
+**Backward.** With dS_ij the gradient of the natural-log score (dS = P * (dP - delta), the tile the
+dQ and dK/dV kernels form anyway), dc_l = sum_j dS_lj - sum_i dS_il: a row sum, which the dQ
+kernel stores, minus a column sum, which the dK/dV kernel subtracts in place (``backward.py``).
+:func:`gate_grad` turns dc into dg, the reverse cumulative sum of dc within each sequence (g_l
+enters every c_i with i >= l of its sequence), in float64 on the host.
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ import triton
 import triton.language as tl
 
 
+LOG2E = 1.4426950408889634
+
+
 def gate_cumsum(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """c = cumsum(g) along the sequence as an (hi, lo) pair of float32 (B, H, T) tensors laid out
-    like the kernels' lse (hi + lo = c to ~1e-16 relative). g: (B, T, H) float32."""
-    c = torch.cumsum(g, dim=1, dtype=torch.float64).transpose(1, 2)
+    """c * log2(e), c = cumsum(g) along the sequence, as an (hi, lo) pair of float32 (B, H, T)
+    tensors laid out like the kernels' lse (hi + lo exact to ~1e-16 relative). g: (B, T, H) float32."""
+    c = torch.cumsum(g, dim=1, dtype=torch.float64).mul_(LOG2E).transpose(1, 2)
     hi = c.to(torch.float32, memory_format=torch.contiguous_format)
     lo = torch.empty_like(hi)
     torch.sub(c, hi, out=lo)
@@ -71,11 +75,11 @@ def gate_offsets(c_hi, c_lo, offs, seqlen, ref_hi, ref_lo, CHECK: tl.constexpr):
         inside = offs < seqlen
         hi = tl.load(c_hi + offs, mask=inside, other=0.0)
         lo = tl.load(c_lo + offs, mask=inside, other=0.0)
-        return tl.where(inside, ((hi - ref_hi) + (lo - ref_lo)) * 1.4426950408889634, 0.0)
+        return tl.where(inside, (hi - ref_hi) + (lo - ref_lo), 0.0)
     else:
         hi = tl.load(c_hi + offs)
         lo = tl.load(c_lo + offs)
-        return ((hi - ref_hi) + (lo - ref_lo)) * 1.4426950408889634
+        return (hi - ref_hi) + (lo - ref_lo)
 
 
 @triton.jit
