@@ -70,16 +70,16 @@ def gate_grad(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor
 @triton.jit
 def gate_offsets(c_hi, c_lo, offs, seqlen, ref_hi, ref_lo, CHECK: tl.constexpr):
     """(c[offs] - ref) * log2(e), float32, for rows ``offs`` of one (sequence, head) row of the
-    hi/lo pair at ``c_hi`` / ``c_lo``; 0 for rows past ``seqlen`` when ``CHECK``."""
+    hi/lo pair at ``c_hi`` / ``c_lo`` (already scaled by log2(e)); with ``CHECK``, rows past
+    ``seqlen`` are not read and give 0 (the masked loads return ref itself)."""
     if CHECK:
         inside = offs < seqlen
-        hi = tl.load(c_hi + offs, mask=inside, other=0.0)
-        lo = tl.load(c_lo + offs, mask=inside, other=0.0)
-        return tl.where(inside, (hi - ref_hi) + (lo - ref_lo), 0.0)
+        hi = tl.load(c_hi + offs, mask=inside, other=ref_hi)
+        lo = tl.load(c_lo + offs, mask=inside, other=ref_lo)
     else:
         hi = tl.load(c_hi + offs)
         lo = tl.load(c_lo + offs)
-        return (hi - ref_hi) + (lo - ref_lo)
+    return (hi - ref_hi) + (lo - ref_lo)
 
 
 @triton.jit
