@@ -8,8 +8,8 @@ token or runs on from the previous documents: the difference cancels the offset.
 cumulative sum along the whole (packed) sequence.
 
 **Where c is computed, and in what precision.** On the host side of the op, with
-``torch.cumsum(..., dtype=float64)`` (times log2(e): the kernels' scores are base 2): one scan over
-B*T*H numbers, microseconds of GPU time beside the attention kernels, exact to ~1e-16 relative.
+``torch.cumsum(..., dtype=float64)`` (times log2(e): the kernels' scores are base 2): one
+memory-bound scan over B*T*H numbers (not timed apart from the kernels), exact to ~1e-16 relative.
 The kernels then need c_i - c_j in fp32. Storing c in fp32 would lose bits: |c| grows like
 T * |g|, and fp32 c carries an absolute error of ~6e-8 * |c| (1e-3 at |c| = 16384), an error in
 every probability, even between neighbours whose true difference is tiny. Instead c is stored as
