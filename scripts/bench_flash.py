@@ -24,12 +24,22 @@ and first_call.md; about two minutes on an H100.
 
     python scripts/bench_flash.py --first-call --out OUTDIR
 
+With ``--gate`` it measures the cost of the forget gate g (log-decay, ``flash_attn(..., g=g)``):
+ours with g, ours without, and flash-linear-attention's ``parallel_attn`` with the same g (when
+the package ``fla`` imports; else one line says it is missing), forward and forward+backward
+(g's gradient included), eager; g = logsigmoid(z + 3) with z standard normal, float32 (B, T, H),
+gates near 1 as the Forgetting Transformer starts. Before timing, FLA's o, dq, dk, dv, dg are
+compared with ours. Writes gate.json, gate.md and gate.csv.
+
+    python scripts/bench_flash.py --gate --out OUTDIR
+
 Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import subprocess
@@ -119,10 +129,12 @@ def rates(shape, fwd_ms: float, fwd_bwd_ms: float, prefix: str = "") -> dict:
             f"{prefix}fwd_bwd_tflops": tflops(causal_flops(*shape, backward=True), fwd_bwd_ms)}
 
 
-def time_calls(fn, q, k, v, do, shape, warmup, rep) -> dict:
-    """Median eager milliseconds and TFLOP/s of ``fn``'s forward and forward+backward."""
+def time_calls(fn, q, k, v, do, shape, warmup, rep, more_grads=()) -> dict:
+    """Median eager milliseconds and TFLOP/s of ``fn``'s forward and forward+backward (whose gradients
+    of q, k, v and of ``more_grads``, tensors ``fn`` uses, are reset between calls)."""
     fwd, fwd_bwd = calls(fn, q, k, v, do)
-    return rates(shape, median_ms(fwd, CUDA, warmup, rep), median_ms(fwd_bwd, CUDA, warmup, rep, grad_to_none=[q, k, v]))
+    return rates(shape, median_ms(fwd, CUDA, warmup, rep),
+                 median_ms(fwd_bwd, CUDA, warmup, rep, grad_to_none=[q, k, v, *more_grads]))
 
 
 def dropout_inputs(B, H, T, D, dtype):
@@ -296,6 +308,111 @@ def first_call_table(rows: list[dict], meta: dict) -> str:
     return "\n".join(md)
 
 
+def load_fla():
+    """(flash-linear-attention's parallel_attn, its version), or (None, why it is missing)."""
+    try:
+        import fla
+        from fla.ops.attn.parallel import parallel_attn
+    except Exception as e:  # not installed, or broken against this torch/triton
+        return None, first_line(e, 160)
+    return parallel_attn, getattr(fla, "__version__", "?")
+
+
+def gate_inputs(B, H, T, D, dtype):
+    """q, k, v (B, T, H, D) requiring grad, do, and g (B, T, H) float32 requiring grad."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(4))
+    z = torch.randn(B, T, H, device="cuda", generator=g)
+    gate = torch.nn.functional.logsigmoid(z + 3.0).requires_grad_()
+    return [t.requires_grad_() for t in (q, k, v)], do, gate
+
+
+def gate_agreement(ours, theirs, q, k, v, do, gate) -> dict:
+    """Relative errors of ``theirs`` against ``ours`` (o, dq, dk, dv, dg) on one call each."""
+    results = []
+    for fn in (ours, theirs):
+        o = fn(q, k, v)
+        results.append((o.detach(), *torch.autograd.grad(o, (q, k, v, gate), do)))
+    return {name: relative_error(b, a) for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), *results)}
+
+
+def bench_gate(shapes, warmup: int, rep: int) -> tuple[list[dict], str]:
+    """Per shape: eager times of ours with and without the gate, and of FLA's parallel_attn with it."""
+    from kernels import flash_attn
+
+    parallel_attn, fla_version = load_fla()
+    rows = []
+    for shape in shapes:
+        (q, k, v), do, gate = gate_inputs(*shape, torch.bfloat16)
+        scale = shape[3] ** -0.5
+        impls = {"ours": lambda q, k, v: flash_attn(q, k, v, causal=True, g=gate),
+                 "ours_no_gate": lambda q, k, v: flash_attn(q, k, v, causal=True)}
+        if parallel_attn is not None:
+            impls["fla"] = lambda q, k, v: parallel_attn(q, k, v, g=gate, scale=scale)
+        row = {"B": shape[0], "H": shape[1], "T": shape[2], "D": shape[3]}
+        for name, fn in impls.items():
+            try:
+                if name == "fla":
+                    row["fla_rel_err"] = gate_agreement(impls["ours"], fn, q, k, v, do, gate)
+                row[name] = time_calls(fn, q, k, v, do, shape, warmup, rep, more_grads=[gate])
+            except Exception as e:  # FLA failing at this shape or with this triton
+                row[name] = {"error": first_line(e, 120)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, do, gate
+        torch.cuda.empty_cache()
+    fla_line = (f"flash-linear-attention {fla_version}: fla.ops.attn.parallel.parallel_attn(q, k, v, g=g, scale=D**-0.5)"
+                if parallel_attn is not None else f"flash-linear-attention: missing ({fla_version})")
+    return rows, fla_line
+
+
+GATE_COLUMNS = ["B", "H", "T", "D", "ours_fwd_ms", "ours_fwd_bwd_ms", "no_gate_fwd_ms", "no_gate_fwd_bwd_ms",
+                "fla_fwd_ms", "fla_fwd_bwd_ms", "gate_cost_fwd", "gate_cost_fwd_bwd", "fla_over_ours_fwd",
+                "fla_over_ours_fwd_bwd", "fla_agrees"]
+
+
+def gate_records(rows: list[dict]) -> list[dict]:
+    """One flat record per shape (GATE_COLUMNS): times in ms, ratios, None where not measured."""
+
+    def ms(r, name, key):
+        return r.get(name, {}).get(key)
+
+    def ratio(a, b):
+        return a / b if a is not None and b is not None else None
+
+    records = []
+    for r in rows:
+        rec = {n: r[n] for n in ("B", "H", "T", "D")}
+        for name, col in (("ours", "ours"), ("ours_no_gate", "no_gate"), ("fla", "fla")):
+            rec[f"{col}_fwd_ms"], rec[f"{col}_fwd_bwd_ms"] = ms(r, name, "fwd_ms"), ms(r, name, "fwd_bwd_ms")
+        for mode in ("fwd", "fwd_bwd"):
+            rec[f"gate_cost_{mode}"] = ratio(rec[f"ours_{mode}_ms"], rec[f"no_gate_{mode}_ms"])
+            rec[f"fla_over_ours_{mode}"] = ratio(rec[f"fla_{mode}_ms"], rec[f"ours_{mode}_ms"])
+        errs = r.get("fla_rel_err")
+        rec["fla_agrees"] = None if errs is None else all(e < 2e-2 for e in errs.values())
+        records.append({c: rec[c] for c in GATE_COLUMNS})
+    return records
+
+
+def gate_table(records: list[dict], fla_line: str, meta: dict) -> str:
+    """Markdown: per shape, the times of ours with and without g and of FLA's, and their ratios."""
+    md = [*table_header(meta, "bf16 causal, eager, median ms (do_bench); "
+                              "g float32 (B, T, H) = logsigmoid(N(0,1) + 3)"), fla_line, "",
+          "| B | H | T | D | ours fwd | ours fwd+bwd | no-gate fwd | no-gate fwd+bwd | FLA fwd | FLA fwd+bwd | "
+          "gate cost fwd | gate cost fwd+bwd | FLA/ours fwd | FLA/ours fwd+bwd | FLA agrees |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(x, fmt):
+        return "n/a" if x is None else (("yes" if x else "NO") if isinstance(x, bool) else fmt.format(x))
+
+    for rec in records:
+        md.append("| " + " | ".join(
+            [str(rec[n]) for n in ("B", "H", "T", "D")]
+            + [cell(rec[c], "{:.3f}") for c in GATE_COLUMNS[4:10]]
+            + [cell(rec[c], "{:.3f}x") for c in GATE_COLUMNS[10:14]] + [cell(rec["fla_agrees"], "")]) + " |")
+    return "\n".join(md)
+
+
 def chosen_configs() -> dict:
     """The config each autotuned kernel picked, per autotune key (kernel kind first)."""
     from kernels.flash_attention.launch import LAUNCHER
@@ -308,7 +425,8 @@ def chosen_configs() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for bench.json and bench.md (dropout.* with --dropout)")
+    ap.add_argument("--out", default=None,
+                    help="folder for bench.json and bench.md (dropout.*, first_call.*, gate.* in those modes)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     ap.add_argument("--graphs", action="store_true",
@@ -319,10 +437,16 @@ def main() -> None:
     ap.add_argument("--first-call", action="store_true",
                     help="time the first call at new shapes in new processes, cold and warm caches, instead")
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gate", action="store_true",
+                    help="measure the cost of the forget gate g against none, beside flash-linear-attention, instead")
     args = ap.parse_args()
     if args.first_call_child is not None:  # one measurement of --first-call, in its own process
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
         return
+    modes = [name for name, on in (("--dropout", args.dropout is not None), ("--first-call", args.first_call),
+                                   ("--gate", args.gate)) if on]
+    if len(modes) > 1:
+        fail(f"{' and '.join(modes)} are separate measurements: pass one of them")
     if args.dropout is not None and not 0 < args.dropout < 1:
         fail(f"--dropout must be in (0, 1), got {args.dropout}")
     require_cuda("bench_flash.py", "times our kernel against SDPA's CUDA kernels",
@@ -345,6 +469,12 @@ def main() -> None:
             rows = bench_first_calls(FIRST_CALL_SHAPES, Path(folder))
         meta.update(chosen_configs={}, dtype="per shape", shapes="dtype, B, H, T, D")
         emit(args.out, "first_call", meta, rows, first_call_table(rows, meta))
+        return
+    if args.gate:
+        rows, meta["fla"] = bench_gate(shapes, args.warmup, args.rep)
+        meta["chosen_configs"] = chosen_configs()
+        records = gate_records(rows)
+        emit(args.out, "gate", meta, rows, gate_table(records, meta["fla"], meta), records)
         return
     if args.dropout is not None:
         rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)
@@ -399,8 +529,10 @@ def main() -> None:
     emit(args.out, "bench", meta, rows, "\n".join(md))
 
 
-def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str) -> None:
-    """Print the autotuner's picks and ``table``; with ``out``, write <stem>.json and <stem>.md there."""
+def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str,
+         records: list[dict] | None = None) -> None:
+    """Print the autotuner's picks and ``table``; with ``out``, write <stem>.json and <stem>.md there
+    (and <stem>.csv of ``records``, flat dicts, when given)."""
     for name, cfgs in meta["chosen_configs"].items():
         for key, cfg in cfgs.items():
             print(f"autotuned {name} {key}: {cfg}")
@@ -410,6 +542,11 @@ def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str) -
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (folder / f"{stem}.md").write_text(table + "\n")
+        if records:
+            with open(folder / f"{stem}.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(records[0]))
+                writer.writeheader()
+                writer.writerows(records)
 
 
 if __name__ == "__main__":

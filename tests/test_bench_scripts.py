@@ -157,6 +157,40 @@ def test_bench_flash_first_call_table_holds_each_shape_to_its_target():
     assert "  - `nanoflash: compiling x`" in text.splitlines()
 
 
+def test_bench_flash_gate_records_and_table_show_costs_ratios_and_what_is_missing():
+    bench = load_script("bench_flash")
+
+    def times(fwd, fwd_bwd):
+        return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
+
+    rows = [{"B": 16, "H": 12, "T": 1024, "D": 64, "ours": times(1.2, 4.0), "ours_no_gate": times(1.0, 3.2),
+             "fla": times(2.4, 6.0), "fla_rel_err": {"o": 3e-3, "dq": 5e-3, "dk": 5e-3, "dv": 4e-3, "dg": 8e-3}},
+            {"B": 4, "H": 12, "T": 2048, "D": 64, "ours": times(1.5, 5.0), "ours_no_gate": times(1.5, 4.0),
+             "fla": {"error": "OutOfResources: shared memory"}, "fla_rel_err": {"o": 3e-3, "dg": 0.5}},
+            {"B": 1, "H": 16, "T": 16384, "D": 128, "ours": times(9.0, 30.0), "ours_no_gate": times(8.0, 27.0)}]
+    records = bench.gate_records(rows)
+    assert [list(r) for r in records] == [bench.GATE_COLUMNS] * 3
+    assert records[0]["gate_cost_fwd"] == pytest.approx(1.2) and records[0]["fla_over_ours_fwd_bwd"] == pytest.approx(1.5)
+    assert records[0]["fla_agrees"] is True and records[1]["fla_agrees"] is False and records[2]["fla_agrees"] is None
+    assert records[1]["fla_fwd_ms"] is None and records[1]["fla_over_ours_fwd"] is None
+
+    meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today", "commit": "abc1234",
+            "command": "python scripts/bench_flash.py --gate"}
+    text = bench.gate_table(records, "flash-linear-attention: missing (ModuleNotFoundError: fla)", meta)
+    assert "commit abc1234" in text and "flash-linear-attention: missing" in text
+    table = markdown_table(text, "| B")
+    assert table[0][-5:] == ["gate cost fwd", "gate cost fwd+bwd", "FLA/ours fwd", "FLA/ours fwd+bwd", "FLA agrees"]
+    assert table[1][4:] == ["1.200", "4.000", "1.000", "3.200", "2.400", "6.000", "1.200x", "1.250x", "2.000x",
+                            "1.500x", "yes"]
+    assert table[2][8:10] == ["n/a", "n/a"] and table[2][-1] == "NO" and table[3][-1] == "n/a"
+
+
+def test_bench_flash_takes_one_mode_at_a_time(tmp_path):
+    proc = run(["scripts/bench_flash.py", "--gate", "--dropout", "0.1", "--out", str(tmp_path)])
+    assert proc.returncode == 2 and "--dropout and --gate are separate measurements" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cross_entropy_benchmark_fails_clearly_without_cuda():
     proc = run(["scripts/bench_cross_entropy.py"])

@@ -2,7 +2,8 @@
 
 Ground truth is the float64 reference. The tolerance comes from a reference run in the inputs'
 own precision (FlashAttention's method): the kernel's max error must be at most ``FWD_FACTOR`` (o,
-lse) or ``BWD_FACTOR`` (dq, dk, dv) times that reference's max error, plus a small atol.
+lse) or ``BWD_FACTOR`` (dq, dk, dv, and dg with a forget gate) times that reference's max error,
+plus a small atol.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
 Triton is imported) on a small fp32/fp16 subset (bf16 ``tl.dot`` is wrong in the interpreter).
@@ -67,6 +68,7 @@ class Case:
     scale: float | None = None
     offset: int = 0  # q, k, v, do start this many elements into their buffers (pointers not 16-byte aligned)
     dropout: float = 0.0
+    gate: str | None = None  # a key of GATES: log forget gates g (B, T, H) float32
 
     @property
     def id(self) -> str:
@@ -85,7 +87,27 @@ class Case:
             s += f"-offset{self.offset}"
         if self.dropout:
             s += f"-dropout{self.dropout}"
+        if self.gate:
+            s += f"-gate{self.gate}"
         return s
+
+
+# Log forget gates (B, T, H) from standard normal draws z: "fox" as the Forgetting Transformer
+# starts (f = sigmoid(z + 3) ~ 0.95), "strong" decay (f ~ 0.3: c falls by ~1.5 a token), "signed"
+# gates of both signs (the kernel must not assume g <= 0).
+GATES = {
+    "fox": lambda z: torch.nn.functional.logsigmoid(z + 3.0),
+    "strong": lambda z: torch.nn.functional.logsigmoid(2.0 * z - 1.0),
+    "signed": lambda z: 0.5 * z,
+}
+
+
+def make_gate(c: Case, seed: int = 0) -> torch.Tensor | None:
+    """g for ``c`` (None without a gate); a non-contiguous view when ``c.strided``."""
+    if c.gate is None:
+        return None
+    z = torch.randn(c.B, c.T, c.H + c.strided, generator=torch.Generator().manual_seed(seed + 1))
+    return GATES[c.gate](z).to(DEVICE)[..., :c.H]
 
 
 def make_inputs(c: Case, seed: int = 0):
@@ -121,24 +143,29 @@ def kernel_dropout_mask(c: Case, seed: int, cu) -> torch.Tensor | None:
 
 
 def check_case(c: Case, seed: int = 0) -> None:
-    """o, lse, dq, dk, dv of ``c`` against the float64 reference (with the kernel's own dropout
-    mask), within the error of the reference run in the inputs' precision (module docstring)."""
+    """o, lse, dq, dk, dv (and dg) of ``c`` against the float64 reference (with the kernel's own
+    dropout mask), within the error of the reference run in the inputs' precision (module
+    docstring)."""
     q, k, v, do, cu = make_inputs(c, seed)
+    gate = make_gate(c, seed)
     kw = dict(causal=c.causal, softmax_scale=c.scale, window_size=c.window, cu_seqlens=cu)
 
-    q1, k1, v1 = (t.detach().requires_grad_() for t in (q, k, v))
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    gated = [] if gate is None else [gate.detach().requires_grad_()]
     if c.strided:
-        assert not q1.is_contiguous()
+        assert not inputs[0].is_contiguous() and all(not t.is_contiguous() for t in gated)
     mask = kernel_dropout_mask(c, seed, cu)
-    o, lse = flash_attn(q1, k1, v1, return_lse=True, dropout_p=c.dropout, **kw)
+    o, lse = flash_attn(*inputs, return_lse=True, dropout_p=c.dropout, g=gated[0] if gated else None, **kw)
     assert o.dtype == c.dtype and o.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (c.B, c.H, c.T)
-    grads = torch.autograd.grad(o, (q1, k1, v1), do)
+    grads = torch.autograd.grad(o, inputs + gated, do)
 
     def ref(dtype):
-        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o_r, lse_r = attention_ref(qr, kr, vr, compute_dtype=dtype, dropout_mask=mask, dropout_p=c.dropout, **kw)
-        g_r = torch.autograd.grad(o_r, (qr, kr, vr), do.to(o_r.dtype))
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        g_ref = [t.detach().clone().requires_grad_() for t in gated]
+        o_r, lse_r = attention_ref(*ins, compute_dtype=dtype, dropout_mask=mask, dropout_p=c.dropout,
+                                   g=g_ref[0] if g_ref else None, **kw)
+        g_r = torch.autograd.grad(o_r, ins + g_ref, do.to(o_r.dtype))
         return o_r, lse_r, g_r
 
     o64, lse64, g64 = ref(torch.float64)
@@ -148,9 +175,7 @@ def check_case(c: Case, seed: int = 0) -> None:
     for name, out, truth, lowp, factor in (
         ("o", o, o64, olp, FWD_FACTOR),
         ("lse", lse, lse64, lselp, FWD_FACTOR),
-        ("dq", grads[0], g64[0], glp[0], BWD_FACTOR),
-        ("dk", grads[1], g64[1], glp[1], BWD_FACTOR),
-        ("dv", grads[2], g64[2], glp[2], BWD_FACTOR),
+        *((name, grads[i], g64[i], glp[i], BWD_FACTOR) for i, name in enumerate(("dq", "dk", "dv", "dg")[:len(grads)])),
     ):
         assert out.shape == truth.shape, name
         if not torch.isfinite(out).all():
@@ -191,6 +216,17 @@ CPU_CASES = [
     Case(1, 200, 2, 1, 32, F16, cu=DOCS, dropout=0.25),
     Case(2, 65, 2, 1, 64, F32, causal=False, dropout=0.5),
     Case(2, 50, 4, 2, 32, F16, strided=True, dropout=0.3),
+    Case(2, 17, 4, 2, 16, F32, gate="fox"),
+    Case(1, 127, 4, 1, 80, F32, gate="strong"),
+    Case(1, 128, 2, 1, 96, F16, gate="fox"),
+    Case(1, 100, 2, 2, 48, F32, gate="signed"),
+    Case(2, 65, 2, 1, 64, F16, causal=False, gate="signed"),
+    Case(1, 200, 2, 1, 32, F32, window=37, gate="strong"),
+    Case(1, 200, 4, 2, 32, F32, cu=DOCS, gate="fox"),
+    Case(1, 200, 2, 1, 32, F16, cu=DOCS, window=20, gate="strong"),
+    Case(2, 100, 4, 2, 32, F16, strided=True, gate="fox"),
+    Case(2, 40, 4, 2, 32, F32, dropout=0.3, gate="fox"),
+    Case(1, 200, 2, 1, 32, F16, cu=DOCS, dropout=0.25, gate="strong"),
 ]
 
 
@@ -240,6 +276,24 @@ def _cuda_cases() -> list[Case]:
               Case(2, 1000, 4, 2, 96, BF16, causal=False, dropout=0.1),
               Case(2, 1000, 4, 2, 64, BF16, strided=True, dropout=0.1),
               Case(1, 200, 4, 2, 80, F32, dropout=0.25)]
+    for T in (1, 17, 200, 1000):  # forget gate
+        for D in (64, 80, 128):
+            for dt, gate in ((F16, "fox"), (BF16, "strong")):
+                cases.append(Case(2, T, 4, 2, D, dt, gate=gate))
+    for H, HKV in ((2, 1), (4, 4), (8, 2)):
+        cases.append(Case(2, 1000, H, HKV, 64, BF16, gate="fox"))
+    for cu in docs:
+        cases.append(Case(1, 1000, 4, 2, 64, BF16, cu=cu, gate="strong"))
+        cases.append(Case(1, 1000, 4, 1, 128, F16, cu=cu, window=64, gate="fox"))
+    cases += [Case(1, 1000, 4, 2, 64, BF16, window=W, gate=gate) for W in (1, 16, 100) for gate in ("fox", "strong")]
+    cases += [Case(2, 1000, 4, 2, 96, BF16, causal=False, gate="signed"),
+              Case(2, 1000, 4, 2, 64, BF16, strided=True, gate="fox"),
+              Case(2, 1000, 4, 2, 80, F16, offset=1, gate="fox"),
+              Case(2, 1000, 4, 2, 64, BF16, dropout=0.1, gate="fox"),
+              Case(1, 1000, 4, 2, 128, F16, cu=docs[3], window=64, dropout=0.2, gate="strong"),
+              Case(1, 1000, 4, 2, 64, F32, gate="strong"),
+              Case(1, 200, 4, 2, 80, F32, gate="signed"),
+              Case(2, 1000, 4, 2, 256, BF16, gate="fox")]
     return cases
 
 
@@ -252,13 +306,13 @@ def test_flash_matches_reference_cuda(case):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
+@pytest.mark.parametrize("dropout,gate", [(0.0, None), (0.1, None), (0.0, "fox")], ids=["plain", "dropout", "gate"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("T", [1000, 2048])
-def test_autotuned_path_cuda(monkeypatch, T, D, dropout):
+def test_autotuned_path_cuda(monkeypatch, T, D, dropout, gate):
     """The autotuned launch (what training and the benchmark use) is correct too."""
     monkeypatch.setattr(launch.LAUNCHER, "autotune", True)
-    check_case(Case(2, T, 8, 2, D, BF16, dropout=dropout))
+    check_case(Case(2, T, 8, 2, D, BF16, dropout=dropout, gate=gate))
 
 
 def test_host_integer_helpers_match_triton():
@@ -331,8 +385,9 @@ def _same_launches(a, b) -> bool:
         for (ga, xa), (gb, xb) in zip(a, b))
 
 
+@pytest.mark.parametrize("with_gate", [False, True], ids=["plain", "gate"])
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse):
+def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse, with_gate):
     """A plan relaunches with the arguments the full launch path builds: same grid, same values,
     the new call's own tensors (checked with a recording stand-in for the compiled kernels)."""
     from kernels.flash_attention.backward import attn_bwd
@@ -341,11 +396,13 @@ def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse):
     sets = [[torch.randn(B, T, h, D) for h in (H, HKV, HKV, H, H)] for _ in range(2)]
     lse = [torch.randn(B, H, T) for _ in range(2)]
     dlse = [torch.randn(B, H, T) if with_dlse else None for _ in range(2)]
+    gates = [-torch.rand(B, T, H) if with_gate else None for _ in range(2)]
 
     fwd = _planned_and_built_launches(
-        monkeypatch, lambda i: forward.attn_fwd(*sets[i][:3], 0.125, True, 0, None))
+        monkeypatch, lambda i: forward.attn_fwd(*sets[i][:3], 0.125, True, 0, None, g=gates[i]))
     bwd = _planned_and_built_launches(
-        monkeypatch, lambda i: attn_bwd(sets[i][4], *sets[i][:4], lse[i], 0.125, True, 0, None, dlse[i]))
+        monkeypatch, lambda i: attn_bwd(sets[i][4], *sets[i][:4], lse[i], 0.125, True, 0, None, dlse[i],
+                                        g=gates[i]))
     for planned, built in (fwd, bwd):
         assert _same_launches(planned, built)
         for (_, planned_args), (_, built_args) in zip(planned, built):
@@ -496,17 +553,29 @@ def _compiled_and_eager(f, *inputs):
     return results
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
-def test_torch_compile_fullgraph_no_graph_break(dropout_p):
+COMPILE_CASES = [pytest.param(0.0, False, id="plain"), pytest.param(0.2, False, id="dropout"),
+                 pytest.param(0.0, True, id="gate"), pytest.param(0.2, True, id="dropout-gate")]
+
+
+def _gate_logits(T: int, H: int) -> torch.Tensor:
+    """(1, T, H) float32 logits z of forget gates f = sigmoid(z) (g = logsigmoid(z)), needing grad."""
+    return (torch.randn(1, T, H, generator=torch.Generator().manual_seed(6)) + 2.0).to(DEVICE).requires_grad_()
+
+
+@pytest.mark.parametrize("dropout_p,gated", COMPILE_CASES)
+def test_torch_compile_fullgraph_no_graph_break(dropout_p, gated):
     q, k, v = _small(requires_grad=True)
+    inputs = (q, k, v, _gate_logits(q.shape[1], q.shape[2])) if gated else (q, k, v)
 
-    def f(q, k, v):
-        return flash_attn(q * 2.0, k, v, window_size=16, dropout_p=dropout_p).float().square().sum()
+    def f(q, k, v, z=None):
+        g = None if z is None else torch.nn.functional.logsigmoid(z)
+        return flash_attn(q * 2.0, k, v, window_size=16, dropout_p=dropout_p, g=g).float().square().sum()
 
-    explain = torch._dynamo.explain(f)(q, k, v)
+    explain = torch._dynamo.explain(f)(*inputs)
     assert explain.graph_break_count == 0, explain.break_reasons
-    (out, g), (out_e, g_e) = _compiled_and_eager(f, q, k, v)
+    (out, g), (out_e, g_e) = _compiled_and_eager(f, *inputs)
     torch.testing.assert_close(out, out_e)
+    assert len(g) == len(inputs)
     for a, b in zip(g, g_e):
         torch.testing.assert_close(a, b)
 
@@ -518,45 +587,57 @@ PACKED_CASES = [
     pytest.param(dict(B=1, T=33, H=2, HKV=2, D=32, dtype=torch.float16), dict(causal=False), id="fp16-full"),
     pytest.param(dict(B=1, T=70, H=4, HKV=2, D=16), dict(window_size=9, dropout_p=0.2), id="gqa-window-dropout"),
     pytest.param(dict(B=1, T=77, H=2, HKV=1, D=32), dict(cu=[0, 30, 31, 77], dropout_p=0.3), id="gqa-varlen-dropout"),
+    pytest.param(dict(B=2, T=40, H=4, HKV=2, D=32), dict(gate=True), id="gqa-gate"),
+    pytest.param(dict(B=1, T=77, H=2, HKV=1, D=32), dict(cu=[0, 30, 31, 77], gate=True), id="gqa-varlen-gate"),
+    pytest.param(dict(B=1, T=70, H=4, HKV=2, D=16), dict(window_size=9, dropout_p=0.2, gate=True),
+                 id="gqa-window-dropout-gate"),
 ]
 
 
 @pytest.mark.parametrize("shape,kw", PACKED_CASES)
 def test_qkvpacked_equals_flash_attn_on_the_split_tensors(shape, kw):
     """Same kernels on views: o, lse and the gradient (dq, dk, dv side by side) agree exactly (with
-    dropout: the same mask for the same seed)."""
+    dropout: the same mask for the same seed; with a gate: dg too)."""
     B, T, H, HKV, D = (shape[n] for n in ("B", "T", "H", "HKV", "D"))
     dtype = shape.get("dtype", F32)
     kw = dict(kw)
     if "cu" in kw:
         kw["cu_seqlens"] = torch.tensor(kw.pop("cu"), dtype=torch.int32, device=DEVICE)
+    gated = [torch.nn.functional.logsigmoid(_gate_logits(T, H)).detach().repeat(B, 1, 1).requires_grad_()
+             ] if kw.pop("gate", False) else []
+    kw["g"] = gated[0] if gated else None
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(B, T, H + 2 * HKV, D, generator=g).to(DEVICE, dtype).requires_grad_()
     do = torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype)
     torch.manual_seed(5)
     o, lse = flash_attn_qkvpacked(qkv, H, return_lse=True, **kw)
-    (dqkv,) = torch.autograd.grad((o * do).sum() + lse.sum(), qkv)
+    dqkv, *dg = torch.autograd.grad((o * do).sum() + lse.sum(), [qkv] + gated)
     q, k, v = (t.detach().requires_grad_() for t in qkv.detach().split([H, HKV, HKV], dim=2))
     torch.manual_seed(5)
     o2, lse2 = flash_attn(q, k, v, return_lse=True, **kw)
-    grads = torch.autograd.grad((o2 * do).sum() + lse2.sum(), (q, k, v))
+    grads = torch.autograd.grad((o2 * do).sum() + lse2.sum(), [q, k, v] + gated)
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    assert dqkv.shape == qkv.shape and torch.equal(dqkv, torch.cat(grads, dim=2))
+    assert dqkv.shape == qkv.shape and torch.equal(dqkv, torch.cat(grads[:3], dim=2))
+    assert len(dg) == len(gated) and all(torch.equal(a, b) for a, b in zip(dg, grads[3:]))
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
-def test_qkvpacked_compiles_without_graph_break(dropout_p):
+@pytest.mark.parametrize("dropout_p,gated", COMPILE_CASES)
+def test_qkvpacked_compiles_without_graph_break(dropout_p, gated):
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(1, 40, 8, 32, generator=g).to(DEVICE).requires_grad_()
+    inputs = (qkv, _gate_logits(40, 4)) if gated else (qkv,)
 
-    def f(qkv):
-        return flash_attn_qkvpacked(qkv * 2.0, 4, dropout_p=dropout_p).float().square().sum()
+    def f(qkv, z=None):
+        g = None if z is None else torch.nn.functional.logsigmoid(z)
+        return flash_attn_qkvpacked(qkv * 2.0, 4, dropout_p=dropout_p, g=g).float().square().sum()
 
-    explain = torch._dynamo.explain(f)(qkv)
+    explain = torch._dynamo.explain(f)(*inputs)
     assert explain.graph_break_count == 0, explain.break_reasons
-    (out, (grad,)), (out_e, (grad_eager,)) = _compiled_and_eager(f, qkv)
+    (out, grads), (out_e, grads_eager) = _compiled_and_eager(f, *inputs)
     torch.testing.assert_close(out, out_e)
-    torch.testing.assert_close(grad, grad_eager)
+    assert len(grads) == len(inputs)
+    for a, b in zip(grads, grads_eager):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("heads,n_head", [(8, 5), (8, 8), (8, 0), (7, 4)])
@@ -726,8 +807,13 @@ def _bad_inputs():
                                                             device=DEVICE)}, "non-decreasing"
     for p in (-0.1, 1.0, 1.5, float("nan"), "0.1", True):
         yield f"dropout {p!r}", (q, k, k), {"dropout_p": p}, r"dropout_p must be a float in \[0, 1\)"
+    g = torch.zeros(1, 8, 4, device=DEVICE)
+    for name, bad in (("shape", g[:, :, :2]), ("T", g[:, :4]), ("dtype", g.double()),
+                      ("list", g.tolist()), ("batch", g.expand(2, -1, -1))):
+        yield f"g {name}", (q, k, k), {"g": bad}, r"g must be None or float32 log forget gates of shape \(B, T, H\)"
     if CUDA:
         yield "device", (q.cpu(), k.cpu(), k.cpu()), {}, "CUDA device"
+        yield "g device", (q, k, k), {"g": g.cpu()}, "g must be None or float32"
 
 
 @pytest.mark.parametrize("args,kwargs,match",
@@ -789,6 +875,8 @@ def test_query_tiles_taller_than_key_tiles_in_the_backward(monkeypatch):
     check_case(Case(2, 77, 2, 1, 32, torch.float32))
     check_case(Case(1, 70, 2, 2, 16, torch.float32, window=9))
     check_case(Case(2, 77, 2, 1, 32, torch.float32, dropout=0.3))
+    check_case(Case(2, 77, 2, 1, 32, torch.float32, gate="strong"))
+    check_case(Case(1, 70, 2, 2, 16, torch.float32, window=9, gate="fox"))
 
 
 HOPPER_CANDIDATES = sorted({(kind, cfg) for kind in ("fwd", "dkdv", "dq")
@@ -801,11 +889,11 @@ HOPPER_CANDIDATES = sorted({(kind, cfg) for kind in ("fwd", "dkdv", "dq")
 @pytest.mark.parametrize("kind,cfg", HOPPER_CANDIDATES,
                          ids=[f"{k}-{c.BLOCK_M}x{c.BLOCK_N}-w{c.num_warps}-s{c.num_stages}"
                               for k, c in HOPPER_CANDIDATES])
-@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["plain", "dropout"])
-def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg, dropout):
+@pytest.mark.parametrize("dropout,gate", [(0.0, None), (0.1, None), (0.0, "fox")], ids=["plain", "dropout", "gate"])
+def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg, dropout, gate):
     """Whatever the autotuner picks is right: each candidate, alone, at D=64 and D=128. With
-    dropout a candidate may not fit the card (the autotuner skips those); every one that runs must
-    be right, and the first fitting one (what runs without tuning) must run."""
+    dropout or a gate a candidate may not fit the card (the autotuner skips those); every one that
+    runs must be right, and the first fitting one (what runs without tuning) must run."""
     from triton.runtime.errors import OutOfResources
 
     for D in (64, 128):
@@ -817,9 +905,9 @@ def test_every_hopper_candidate_config_is_correct_cuda(monkeypatch, kind, cfg, d
         chosen[kind] = cfg
         _force_configs(monkeypatch, chosen)
         try:
-            check_case(Case(2, 300, 4, 2, D, BF16, dropout=dropout))
+            check_case(Case(2, 300, 4, 2, D, BF16, dropout=dropout, gate=gate))
         except OutOfResources:
-            if not dropout or cfg == kept[0]:
+            if not (dropout or gate) or cfg == kept[0]:
                 raise
 
 
@@ -835,7 +923,7 @@ def test_dropout_under_cuda_graph_capture_draws_fresh_bits_each_replay_cuda():
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
 
     def attend(rng):
-        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, 64 ** -0.5, True, 0, 0.1)
+        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, None, 64 ** -0.5, True, 0, 0.1)
         return o, torch.autograd.grad(o, (q, k, v), do)
 
     def step():

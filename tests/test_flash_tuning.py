@@ -232,6 +232,56 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_and_candidates(monkey
     assert base not in paths and len(paths) == len(others)
 
 
+def _launches_of(monkeypatch, call) -> dict:
+    """{kind: (kernel, pointers, args)} of the launches ``call()`` makes through ``launch.LAUNCHER``
+    (recorded, not run), each kernel with its JIT function as on a GPU: the interpreter's stand-in
+    has no parameter list to read the key's names from."""
+    from triton.runtime.jit import JITFunction
+
+    launches = {}
+
+    def record(kernel, grid_rows, grid_yz, pointers, scales, ints, device, plan=None):
+        jit = kernel.jit if hasattr(kernel.jit, "params") else JITFunction(kernel.jit.fn)
+        launches[kernel.kind] = (launch.Kernel(kernel.kind, jit, kernel.resident), pointers,
+                                 {**pointers, **scales, **ints})
+
+    monkeypatch.setattr(launch.LAUNCHER, "launch", record)
+    monkeypatch.setattr(launch.LAUNCHER, "replay", False)
+    call()
+    return launches
+
+
+def test_the_tuning_key_holds_the_gate_flag_and_the_gate_pointers_dtypes(monkeypatch):
+    """A gated call tunes apart from a plain one, through the launcher's own key (every constexpr,
+    every pointer's dtype): the keys differ in HAS_GATE and in the gate's pointers only."""
+    from kernels.flash_attention.backward import attn_bwd
+    from kernels.flash_attention.forward import attn_fwd
+
+    B, T, H, D = 1, 8, 2, 16
+    q = torch.zeros(B, T, H, D)
+    lse = torch.zeros(B, H, T)
+    g = torch.zeros(B, T, H)
+
+    def calls(gate):
+        return _launches_of(monkeypatch, lambda: (attn_fwd(q, q, q, 0.25, True, 0, None, g=gate),
+                                                  attn_bwd(q, q, q, q, q, lse, 0.25, True, 0, None, g=gate)))
+
+    plain, gated = calls(None), calls(g)
+    assert set(plain) == set(gated) == {"fwd", "dq", "dkdv"}
+    launcher, cuda = launch.Launcher(autotune=True, replay=False), torch.device("cuda", 0)
+    for kind, (kernel, pointers, args) in plain.items():
+        assert "HAS_GATE" in kernel.key_names and not set(launch.TILE_NAMES) & set(kernel.key_names)
+        _, gated_pointers, gated_args = gated[kind]
+        key, gated_key = (launcher.tuning_key(kernel, p, a, cuda) for p, a in ((pointers, args),
+                                                                               (gated_pointers, gated_args)))
+        values, gated_values = (dict(zip(kernel.key_names, k[3:-1])) for k in (key, gated_key))
+        assert {n for n in values if values[n] != gated_values[n]} == {"HAS_GATE"}
+        assert not values["HAS_GATE"] and gated_values["HAS_GATE"]
+        changed = {n for n, a, b in zip(pointers, key[-1], gated_key[-1]) if a != b}
+        assert changed == ({"C_HI", "C_LO"} if kind == "fwd" else {"C_HI", "C_LO", "DC"})
+        assert all(gated_key[-1][list(pointers).index(n)] == torch.float32 for n in changed)
+
+
 def test_another_gpu_or_kernel_source_tunes_again(fake_h100, tmp_path):
     first = _RecordingTuner()
     _launch(_launcher(tmp_path, first), _StandInJit())

@@ -19,6 +19,22 @@ into unmasked and masked (causal diagonal, window edge, ragged end) loops as in 
 Dropout (``HAS_DROPOUT``): with Z = keep / (1 - p) (the forward's mask, regenerated per tile by
 ``dropout.dropout_keep``), dV = (P * Z)^T dO and dS = P * (dP * Z - delta) where dP = dO V^T;
 delta = rowsum(dO * O) is unchanged (it equals rowsum(P * Z * dP)).
+
+Forget gate (``HAS_GATE``): both kernels add (c_i - c_j) * log2(e) to their recomputed scores, as
+the forward does (``gate.py``): the key's c_j per score (a fused multiply-add with the scale), the
+query's c_i folded into the per-row lse. dL/dc_l is the row sum minus the column sum of dS at l.
+The dQ kernel stores the row sums of the dS tiles it forms into DC (B, H, T); the dK/dV kernel then
+subtracts the column sums of its dS tiles, per query head (under GQA it loops over the query heads
+of its kv head, each with its own c), in place. Every element is written by one program of each
+kernel: no atomics, deterministic. ``attn_bwd`` then takes the reverse cumulative sum: dg
+(``gate.gate_grad``).
+
+The row sum is dlse_l in exact arithmetic (adding a constant to a row of scores changes only its
+lse), but not in the kernels' arithmetic: delta = rowsum(dO * O) uses the output rounded to the
+input dtype, so the dS rows sum to dlse plus a rounding residue. Only row and column sums of the
+same dS tiles cancel that residue in dg = sum of dS over pairs j < l <= i; with the exact row sum
+instead, the residues of all later rows pile up in dg (measured 6x the low-precision reference's
+error at T=200 in fp16).
 """
 
 from __future__ import annotations
@@ -29,18 +45,21 @@ import triton.language as tl
 
 from .dropout import dropout_keep, dropout_threshold, load_rng
 from .forward import LOG2E, _dot, _load_rows, seq_layout
+from .gate import gate_cumsum, gate_grad, gate_offsets, gate_reference
 from .launch import LAUNCHER, Kernel, next_power_of_2
 
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v,
+    dk, dv, dc_col, k, v,
     q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
     start_n, offs_n, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window,
     seed, offset_lo, offset_hi, rng_row0, threshold, dropout_scale,
+    c_hi, c_lo, ref_hi, ref_lo, gate_k,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_GATE: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
@@ -57,7 +76,12 @@ def _dkdv_inner(
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
-        p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse
+            s_t -= gate_k[:, None]
+            lse2 = lse * 1.4426950408889634 - gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)
+            p_t = tl.exp2(s_t - lse2[None, :])
+        else:
+            p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
         if MASKED:
             valid = m_mask[None, :]
             if IS_CAUSAL:
@@ -74,13 +98,15 @@ def _dkdv_inner(
             dv = _dot(p_t.to(do.dtype), do, dv, IEEE)
             dp_t = _dot(v, tl.trans(do), None, IEEE)
         ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_GATE:
+            dc_col += tl.sum(ds_t, 1)
         dk = _dot(ds_t.to(q.dtype), q, dk, IEEE)
-    return dk, dv
+    return dk, dv, dc_col
 
 
 @triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS, RNG,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS, RNG, C_HI, C_LO, DC,
     qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -91,7 +117,7 @@ def _attn_bwd_dkdv_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -160,21 +186,42 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + do_off + i_h.to(tl.int64) * stride_doh
         lse_base = LSE + (lse_b + i_h) * T + lse_row
         delta_base = DELTA + (lse_b + i_h) * T + lse_row
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
-                             lo, b, seqlen, qk_scale, WINDOW,
-                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                             True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
-                             b, c, seqlen, qk_scale, WINDOW,
-                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                             False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
-                             c, hi, seqlen, qk_scale, WINDOW,
-                             seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                             True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
+        dc_col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_GATE:  # this query head's c, relative to the block's first key row
+            c_hi = C_HI + (lse_b + i_h) * T + lse_row
+            c_lo = C_LO + (lse_b + i_h) * T + lse_row
+            ref_hi, ref_lo = gate_reference(c_hi, c_lo, start_n, seqlen)
+            gate_k = gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, True)
+        else:
+            c_hi = None
+            c_lo = None
+            ref_hi = None
+            ref_lo = None
+            gate_k = None
+        dk, dv, dc_col = _dkdv_inner(dk, dv, dc_col, k, v, q_base, do_base, lse_base, delta_base,
+                                     stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
+                                     lo, b, seqlen, qk_scale, WINDOW,
+                                     seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                                     c_hi, c_lo, ref_hi, ref_lo, gate_k,
+                                     True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                                     BLOCK_M, BLOCK_N)
+        dk, dv, dc_col = _dkdv_inner(dk, dv, dc_col, k, v, q_base, do_base, lse_base, delta_base,
+                                     stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
+                                     b, c, seqlen, qk_scale, WINDOW,
+                                     seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                                     c_hi, c_lo, ref_hi, ref_lo, gate_k,
+                                     False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                                     BLOCK_M, BLOCK_N)
+        dk, dv, dc_col = _dkdv_inner(dk, dv, dc_col, k, v, q_base, do_base, lse_base, delta_base,
+                                     stride_qt, stride_dot, start_n, offs_n, offs_d, d_mask,
+                                     c, hi, seqlen, qk_scale, WINDOW,
+                                     seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                                     c_hi, c_lo, ref_hi, ref_lo, gate_k,
+                                     True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                                     BLOCK_M, BLOCK_N)
+        if HAS_GATE:  # dc = (row sums, stored by the dQ kernel) - column sums
+            dc_ptrs = DC + (lse_b + i_h) * T + lse_row + offs_n
+            tl.store(dc_ptrs, tl.load(dc_ptrs, mask=n_mask, other=0.0) - dc_col, mask=n_mask)
     dk = dk * sm_scale
     tl.store(DK + dk_off + i_kvh.to(tl.int64) * stride_dkh
              + offs_n[:, None] * stride_dkt + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -186,13 +233,15 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta,
+    dq, dc_row, q, do, lse2, delta,
     k_base, v_base, stride_kt, stride_vt,
     offs_m, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window,
     seed, offset_lo, offset_hi, rng_row0, threshold, dropout_scale,
+    c_hi, c_lo, ref_hi, ref_lo,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_GATE: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -202,6 +251,8 @@ def _dq_inner(
         v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
+        if HAS_GATE:  # - c_j * log2(e); the query's c_i is in lse2
+            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = offs_n[None, :] < seqlen
@@ -215,13 +266,15 @@ def _dq_inner(
             keep = dropout_keep(seed, offset_lo, offset_hi, rng_row0, offs_m, start_n, threshold, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if HAS_GATE:
+            dc_row += tl.sum(ds, 1)
         dq = _dot(ds.to(k.dtype), k, dq, IEEE)
-    return dq
+    return dq, dc_row
 
 
 @triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS, RNG,
+    Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS, RNG, C_HI, C_LO, DC,
     qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -232,7 +285,7 @@ def _attn_bwd_dq_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DLSE: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -305,20 +358,39 @@ def _attn_bwd_dq_kernel(
     else:
         seed, offset_lo, offset_hi = 0, 0, 0
     rng_row0 = (i_b * H + i_h) * T  # this (sequence, head) plane of the dropout mask
+    if HAS_GATE:  # c of this (sequence, head), relative to the block's first query row
+        c_hi = C_HI + lse_off
+        c_lo = C_LO + lse_off
+        ref_hi, ref_lo = gate_reference(c_hi, c_lo, start_m, seqlen)
+        lse2 -= gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)  # the query's c_i
+    else:
+        c_hi = None
+        c_lo = None
+        ref_hi = None
+        ref_lo = None
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dc_row = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_WINDOW:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                       offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
-                       seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                       True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                   offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
-                   seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                   False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
-                   offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
-                   seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
-                   True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
+        dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                               offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
+                               seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                               c_hi, c_lo, ref_hi, ref_lo,
+                               True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                               BLOCK_M, BLOCK_N)
+    dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                           offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
+                           seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                           c_hi, c_lo, ref_hi, ref_lo,
+                           False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                           BLOCK_M, BLOCK_N)
+    dq, dc_row = _dq_inner(dq, dc_row, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt,
+                           offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
+                           seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD, dropout_scale,
+                           c_hi, c_lo, ref_hi, ref_lo,
+                           True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                           BLOCK_M, BLOCK_N)
+    if HAS_GATE:  # row sums of dS; the dK/dV kernel subtracts the column sums
+        tl.store(DC + lse_off + offs_m, dc_row, mask=m_mask)
     dq = dq * sm_scale
     tl.store(DQ + dq_off + i_h.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqt + offs_d[None, :], dq.to(DQ.dtype.element_ty),
@@ -344,15 +416,17 @@ def attn_bwd(
     rng: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the attention output (and optionally of its lse) wrt q, k, v.
+    g: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of the attention output (and optionally of its lse) wrt q, k, v and the gate g.
 
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
     last dims contiguous (a do whose last dim is not is copied: autograd may hand one over).
     rng, dropout_p: the forward's dropout RNG state and probability (its mask is regenerated).
+    g: the forward's (B, T, H) float32 log forget gates, or None.
     Returns dq (like q), dk (like k), dv (like v): new contiguous tensors, or ``out`` = (dq, dk, dv)
     written in place (any T and H strides, last dim contiguous; the packed-QKV op passes three
-    views of one gradient buffer).
+    views of one gradient buffer); and dg: (B, T, H) float32, or None without a gate.
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -365,23 +439,28 @@ def attn_bwd(
     dq, dk, dv = out
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if g is None else torch.zeros_like(g)
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
+    if g is not None:
+        c_hi, c_lo = gate_cumsum(g)
+        dc = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by both kernels
+    else:
+        c_hi = c_lo = dc = None
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
     rng = rng if dropout_p > 0 else None
     options = (softmax_scale, causal, window, dropout_p)
     layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
               dq.stride(), dk.stride(), dv.stride(), *options, n_seq, max_len)
-    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng)
+    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc)
     dq_plan = LAUNCHER.plan_key("dq", dq_pointers, *layout)
     if not LAUNCHER.relaunch(dq_plan, dq_pointers):
         _launch_dq(dq_pointers, options, n_seq, max_len, dq_plan)
-    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng)
+    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc)
     dkdv_plan = LAUNCHER.plan_key("dkdv", dkdv_pointers, *layout)
     if not LAUNCHER.relaunch(dkdv_plan, dkdv_pointers):
         _launch_dkdv(dkdv_pointers, options, n_seq, max_len, dkdv_plan)
-    return dq, dk, dv
+    return dq, dk, dv, None if dc is None else gate_grad(dc, cu_seqlens)
 
 
 def _common_ints(q, k, v, do, causal: bool, window: int, dropout_p: float, max_len: int, cu_seqlens) -> dict:
@@ -406,13 +485,14 @@ def _scales(softmax_scale: float, dropout_p: float) -> dict:
 def _launch_dq(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
     """Build the dQ kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
     window, dropout_p), launch it (and record ``plan``)."""
-    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng = pointers
+    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc = pointers
     softmax_scale, causal, window, dropout_p = options
     ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
     so, sdq = o.stride(), dq.stride()
     ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
-                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None)
-    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS", "RNG")
+                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None,
+                HAS_GATE=c_hi is not None)
+    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS", "RNG", "C_HI", "C_LO", "DC")
     LAUNCHER.launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
                     ints, q.device, plan)
 
@@ -420,12 +500,12 @@ def _launch_dq(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: 
 def _launch_dkdv(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
     """Build the dK/dV kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
     window, dropout_p), launch it (and record ``plan``)."""
-    q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng = pointers
+    q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc = pointers
     softmax_scale, causal, window, dropout_p = options
     ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
     sdk, sdv = dk.stride(), dv.stride()
     ints.update(stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
-                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2])
-    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS", "RNG")
+                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2], HAS_GATE=dc is not None)
+    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS", "RNG", "C_HI", "C_LO", "DC")
     LAUNCHER.launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
                     ints, q.device, plan)

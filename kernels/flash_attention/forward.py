@@ -18,6 +18,13 @@ Dropout (``HAS_DROPOUT``, a constexpr: off, the plain kernel runs): the row sums
 the un-dropped probabilities; each tile's probabilities are masked with the keep bits of
 ``dropout.dropout_keep`` before the P V product, and the output is scaled by 1 / (1 - p).
 
+Forget gate (``HAS_GATE``, a constexpr: off, the plain kernel runs): each score gains
+(c_i - c_j) * log2(e), from the hi/lo pair of c * log2(e), c = cumsum(g) (``gate.py``), relative to
+the program's first query row. The online softmax runs on the scores minus the key's c_j only: the
+query's c_i is the same for a whole row, so it changes no probability and is added to the lse
+at the end. Per score the gate then costs nothing beyond the scale's multiply (now a fused
+multiply-add); per key block, a few operations on a vector of BLOCK_N.
+
 Pointer arithmetic only (no block pointers / tensor descriptors) so Triton 3.6-3.9 all work.
 """
 
@@ -30,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_threshold, load_rng
+from .gate import gate_cumsum, gate_offsets, gate_reference
 from .launch import LAUNCHER, Kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -63,8 +71,10 @@ def _fwd_inner(
     k_base, v_base, stride_kt, stride_vt,
     offs_m, offs_d, d_mask,
     lo, hi, seqlen, qk_scale, window, seed, offset_lo, offset_hi, rng_row0, threshold,
+    c_hi, c_lo, ref_hi, ref_lo,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_GATE: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -74,6 +84,8 @@ def _fwd_inner(
         v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n, seqlen,
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 logits
+        if HAS_GATE:  # - c_j * log2(e), relative to the block's first query row (c_i joins the lse)
+            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
         if MASKED:
             valid = offs_n[None, :] < seqlen
             if IS_CAUSAL:
@@ -101,7 +113,7 @@ def _fwd_inner(
 
 @triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS, RNG,
+    Q, K, V, O, LSE, CU_SEQLENS, RNG, C_HI, C_LO,
     qk_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -110,7 +122,7 @@ def _attn_fwd_kernel(
     T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -150,6 +162,15 @@ def _attn_fwd_kernel(
     v_base = V + v_off + i_kvh.to(tl.int64) * stride_vh
     q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen,
                    d_mask, True, EVEN_D)
+    if HAS_GATE:  # c of this (sequence, head), relative to the block's first query row
+        c_hi = C_HI + lse_off
+        c_lo = C_LO + lse_off
+        ref_hi, ref_lo = gate_reference(c_hi, c_lo, start_m, seqlen)
+    else:
+        c_hi = None
+        c_lo = None
+        ref_hi = None
+        ref_lo = None
 
     # Key ranges: [lo, b) window edge (masked), [b, c) full (unmasked), [c, hi) diagonal/ragged.
     if IS_CAUSAL:
@@ -175,21 +196,29 @@ def _attn_fwd_kernel(
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                    offs_m, offs_d, d_mask, lo, b, seqlen, qk_scale, WINDOW,
                                    seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                                   True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
+                                   c_hi, c_lo, ref_hi, ref_lo,
+                                   True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                                   BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, b, c, seqlen, qk_scale, WINDOW,
                                seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                               False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
+                               c_hi, c_lo, ref_hi, ref_lo,
+                               False, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                               BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt,
                                offs_m, offs_d, d_mask, c, hi, seqlen, qk_scale, WINDOW,
                                seed, offset_lo, offset_hi, rng_row0, DROPOUT_THRESHOLD,
-                               True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, EVEN_D, IEEE, BLOCK_M, BLOCK_N)
+                               c_hi, c_lo, ref_hi, ref_lo,
+                               True, IS_CAUSAL, HAS_WINDOW, HAS_DROPOUT, HAS_GATE, EVEN_D, IEEE,
+                               BLOCK_M, BLOCK_N)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if HAS_DROPOUT:
         o = acc * (dropout_scale / l_safe)[:, None]
     else:
         o = acc / l_safe[:, None]
+    if HAS_GATE:  # the row's own c_i * log2(e) (relative to the reference), left out of the softmax
+        m_i += gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # natural log
     m_mask = offs_m < seqlen
     o_ptrs = (O + o_off + i_h.to(tl.int64) * stride_oh
@@ -221,11 +250,13 @@ def attn_fwd(
     cu_seqlens: torch.Tensor | None,
     rng: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel.
 
     q: (B, T, H, D); k, v: (B, T, H_kv, D) with last dim contiguous; window 0 means none;
-    rng: the (2,) int64 dropout RNG state (``dropout.draw_dropout_rng``), used when dropout_p > 0.
+    rng: the (2,) int64 dropout RNG state (``dropout.draw_dropout_rng``), used when dropout_p > 0;
+    g: None or (B, T, H) float32 log forget gates (``gate.py``).
     Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log (un-dropped).
     """
     B, T, H, D = q.shape
@@ -234,7 +265,8 @@ def attn_fwd(
     n_seq, max_len = seq_layout(q, cu_seqlens)
     if n_seq == 0 or max_len == 0:
         return o, lse
-    pointers = (q, k, v, o, lse, cu_seqlens, rng if dropout_p > 0 else None)
+    c_hi, c_lo = gate_cumsum(g) if g is not None else (None, None)
+    pointers = (q, k, v, o, lse, cu_seqlens, rng if dropout_p > 0 else None, c_hi, c_lo)
     plan = LAUNCHER.plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
                              softmax_scale, causal, window, dropout_p, n_seq, max_len)
     if not LAUNCHER.relaunch(plan, pointers):
@@ -245,7 +277,7 @@ def attn_fwd(
 def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int, dropout_p: float,
                 n_seq: int, max_len: int, plan: tuple | None) -> None:
     """Build the forward kernel's arguments from its tensors and launch it (and record ``plan``)."""
-    q, k, v, o, lse, cu_seqlens, _ = pointers
+    q, k, v, o, lse, cu_seqlens, _, c_hi, _ = pointers
     B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
     sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
@@ -258,9 +290,10 @@ def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int
         T_BUCKET=next_power_of_2(max_len),
         HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
         IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-        HAS_DROPOUT=dropout_p > 0, IEEE=q.dtype == torch.float32,
+        HAS_DROPOUT=dropout_p > 0, HAS_GATE=c_hi is not None, IEEE=q.dtype == torch.float32,
     )
-    LAUNCHER.launch(FWD, max_len, (n_seq, H), dict(zip(("Q", "K", "V", "O", "LSE", "CU_SEQLENS", "RNG"), pointers)),
+    names = ("Q", "K", "V", "O", "LSE", "CU_SEQLENS", "RNG", "C_HI", "C_LO")
+    LAUNCHER.launch(FWD, max_len, (n_seq, H), dict(zip(names, pointers)),
                     dict(qk_scale=softmax_scale * LOG2E, dropout_scale=1.0 / (1.0 - dropout_p)), ints, q.device, plan)
 
 

@@ -9,9 +9,11 @@ graph break. Autograd is one ``torch.autograd.Function`` around them (not the op
 pays one cheap dispatcher boundary per op instead of ``custom_op``'s Python autograd layer
 (FlashAttention's ``flash_attn_interface.py`` is built the same way).
 
-Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32, cu_seqlens and, with dropout,
-the (2,) int64 RNG state the forward drew (``dropout.py``) -- O(T) memory, no T x T: the backward
-regenerates the dropout mask from it.
+Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32, cu_seqlens, with dropout
+the (2,) int64 RNG state the forward drew (``dropout.py``) and with a forget gate g (B, T, H)
+float32 (``gate.py``) -- O(T) memory, no T x T: the backward regenerates the dropout mask and
+recomputes the gate's cumulative sum from them. The backward op returns dq, dk, dv and dg (an
+empty float32 tensor when there is no gate: an op's outputs are tensors).
 """
 
 from __future__ import annotations
@@ -52,37 +54,49 @@ def define_op(name: str, schema: str, impl, fake):
     return getattr(torch.ops.nanoflash, name).default
 
 
-def checked_forward(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
+def checked_forward(q, k, v, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):
     """``attn_fwd`` after the cu_seqlens value checks: o (B, T, H, D) in q.dtype, lse (B, H, T)
     float32 natural log; window 0 = none. The implementation of both forward ops."""
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, q.shape[1])
-    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, rng, dropout_p)
+    return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, rng, dropout_p, g)
 
 
-def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):
     B, T, H, D = q.shape
     return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
-    """dq, dk, dv (contiguous, dtypes of q, k, v) from do (B, T, H, D) and optional dlse."""
-    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse, rng, dropout_p)
+def gate_grad_or_empty(dg: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The backward ops' dg output: ``dg``, or an empty float32 tensor when there is no gate."""
+    return dg if dg is not None else like.new_empty((0,), dtype=torch.float32)
 
 
-def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def gate_grad_fake(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return g.new_empty(g.shape) if g is not None else like.new_empty((0,), dtype=torch.float32)
+
+
+def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):
+    """dq, dk, dv (contiguous, dtypes of q, k, v) and dg from do (B, T, H, D) and optional dlse."""
+    dq, dk, dv, dg = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, dlse, rng, dropout_p,
+                              g=g)
+    return dq, dk, dv, gate_grad_or_empty(dg, q)
+
+
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), gate_grad_fake(g, q)
 
 
 flash_attn_fwd = define_op(
     "flash_attn_fwd",
-    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, Tensor? rng, float softmax_scale, bool causal,"
+    "(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, Tensor? rng, Tensor? g, float softmax_scale, bool causal,"
     " int window, float dropout_p) -> (Tensor, Tensor)",
     checked_forward, _flash_attn_fwd_fake)
 flash_attn_bwd = define_op(
     "flash_attn_bwd",
     "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens,"
-    " Tensor? rng, float softmax_scale, bool causal, int window, float dropout_p) -> (Tensor, Tensor, Tensor)",
+    " Tensor? rng, Tensor? g, float softmax_scale, bool causal, int window, float dropout_p)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
@@ -90,20 +104,32 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd of :func:`flash_attn`: the forward op, then the backward op on the saved tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p):
-        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, softmax_scale, causal, window, dropout_p)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng)
+    def forward(ctx, q, k, v, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):
+        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng, g)
         ctx.options = (softmax_scale, causal, window, dropout_p)
         ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_seqlens, rng = ctx.saved_tensors
+        q, k, v, o, lse, cu_seqlens, rng, g = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, *ctx.options)
+        return dq, dk, dv, None, None, dg if g is not None else None, None, None, None, None
+
+
+def validate_gate(name: str, g, shape: tuple[int, int, int], device: torch.device) -> None:
+    """g must be None or a float32 (B, T, H) tensor of log forget gates on the inputs' device."""
+    if g is None:
+        return
+    if not (isinstance(g, torch.Tensor) and tuple(g.shape) == shape and g.dtype == torch.float32
+            and g.device == device):
+        got = (f"{type(g).__name__}" if not isinstance(g, torch.Tensor)
+               else f"{g.dtype} {tuple(g.shape)} on {g.device}")
+        raise ValueError(f"{name}: g must be None or float32 log forget gates of shape (B, T, H) = {shape} on "
+                         f"{device}; got {got}")
 
 
 def _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p) -> None:
@@ -174,8 +200,9 @@ def flash_attn(
     cu_seqlens: torch.Tensor | None = None,
     return_lse: bool = False,
     dropout_p: float = 0.0,
+    g: torch.Tensor | None = None,
 ):
-    """Flash attention (Triton), differentiable in q, k, v.
+    """Flash attention (Triton), differentiable in q, k, v (and g).
 
     Args:
         q: (B, T, H, D) float16 / bfloat16 / float32, 16 <= D <= 256 (any D; padded inside).
@@ -193,6 +220,11 @@ def flash_attn(
             replay of a captured CUDA graph draws a new one) and regenerated in the backward.
             Apply it in training only: this function does not know the module's mode. 0 runs the
             plain kernels.
+        g: None, or (B, T, H) float32 log forget gates, one per token and query head (under GQA
+            each query head has its own): every score gains c_i - c_j with c = cumsum(g) along the
+            sequence (restarting at each document of ``cu_seqlens``), i.e. the sum of g over
+            j < l <= i (the Forgetting Transformer's decay; g <= 0 there, any finite value works).
+            None runs the plain kernels. Differentiable: g's gradient is returned too.
 
     Returns:
         o: (B, T, H, D), q's dtype (contiguous); and, if return_lse, lse: (B, H, T) float32 in
@@ -202,10 +234,11 @@ def flash_attn(
     under TRITON_INTERPRET=1. Raises ValueError on invalid inputs.
     """
     _validate(q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p)
+    validate_gate("flash_attn", g, tuple(q.shape[:3]), q.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     rng = draw_dropout_rng(q.device) if dropout_p > 0 else None
-    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, float(softmax_scale), bool(causal),
+    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g, float(softmax_scale), bool(causal),
                                      int(window_size or 0), float(dropout_p))
     return (o, lse) if return_lse else o

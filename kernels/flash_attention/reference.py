@@ -37,6 +37,19 @@ def attention_mask(
     return mask
 
 
+def gate_bias(g: torch.Tensor, cu_seqlens: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, T, T) bias c_i - c_j in ``dtype`` of log forget gates g (B, T, H), c = cumsum(g)
+    along the sequence in ``dtype``, restarting at each document of ``cu_seqlens``. Differentiable
+    in g."""
+    gh = g.to(dtype).transpose(1, 2)  # (B, H, T)
+    if cu_seqlens is None:
+        c = gh.cumsum(-1)
+    else:
+        lengths = cu_seqlens.diff().tolist()
+        c = torch.cat([doc.cumsum(-1) for doc in gh.split(lengths, dim=-1)], dim=-1)
+    return c[..., :, None] - c[..., None, :]
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,6 +61,7 @@ def attention_ref(
     compute_dtype: torch.dtype | None = torch.float64,
     dropout_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention.
 
@@ -56,6 +70,9 @@ def attention_ref(
     float32. dropout_p > 0: the probabilities are multiplied by keep / (1 - dropout_p), keep being
     ``dropout_mask`` (bool (B, H, T, T), e.g. the kernel's own from ``flash_dropout_mask``) or,
     without one, a fresh Bernoulli(1 - dropout_p) draw from torch's generator.
+    g: None or (B, T, H) log forget gates: the scores gain c_i - c_j (``gate_bias``), computed in
+    the softmax's dtype as a plain implementation would (in float32, c's own rounding grows with
+    |c|, i.e. with T).
     Returns o: (B, T, H, D) in compute_dtype and lse: (B, H, T) (natural log, of the un-dropped
     scores) in at least float32. Differentiable (autograd through plain ops).
     """
@@ -68,6 +85,8 @@ def attention_ref(
     kh = k.to(dt).transpose(1, 2).repeat_interleave(G, dim=1)
     vh = v.to(dt).transpose(1, 2).repeat_interleave(G, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)).to(soft_dt) * scale  # (B, H, T, T)
+    if g is not None:
+        scores = scores + gate_bias(g, cu_seqlens, soft_dt)
     mask = attention_mask(T, causal, window_size, cu_seqlens, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # (B, H, T)
