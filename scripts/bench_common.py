@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
+import os
 import subprocess
 import sys
 import time
@@ -119,17 +120,18 @@ def graph_median_ms(fn, rep: int = 100, grad_to_none=None) -> float:
 # --- where a number was measured ------------------------------------------------------------------
 
 def commit() -> str:
-    """The checkout's short commit, with ``+changes`` when the tree differs from it; ``unknown`` outside git."""
+    """The checkout's short commit, with ``+changes`` when the tree differs from it; outside git (a copy
+    of the tree on a GPU box) the ``NANOFLASH_COMMIT`` the copy was made from, else ``unknown``."""
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
 
     try:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode:
-            return "unknown"
+            return os.environ.get("NANOFLASH_COMMIT", "unknown")
         changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("NANOFLASH_COMMIT", "unknown")
     return head.stdout.strip() + ("+changes" if changed else "")
 
 
