@@ -7,8 +7,8 @@ same shape, FLOP count and timing mean the same thing in every table of docs/BEN
 from __future__ import annotations
 
 import datetime
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
