@@ -78,6 +78,7 @@ def merge_block(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) 
 
 
 class _RingAttention(torch.autograd.Function):
+    """``ring_attention``'s forward and backward (the module docstring has the algorithm)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, step: StepAttention, scale: float):

@@ -179,13 +179,13 @@ def _repeat_batch(x: Tensor, m: int) -> Tensor:
 def _fold_lse(lse: Tensor, m: int) -> Tensor:
     """(B, H, m * T) -> (B * m, H, T) contiguous, the rows of ``_fold``."""
     B, H, T = lse.shape
-    return lse.view(B, H, m, T // m).transpose(1, 2).reshape(B * m, H, T // m).contiguous()
+    return lse.reshape(B, H, m, T // m).transpose(1, 2).reshape(B * m, H, T // m).contiguous()
 
 
 def _unfold_lse(lse: Tensor, m: int) -> Tensor:
     """Inverse of ``_fold_lse``."""
     Bm, H, T = lse.shape
-    return lse.view(Bm // m, m, H, T).transpose(1, 2).reshape(Bm // m, H, m * T)
+    return lse.reshape(Bm // m, m, H, T).transpose(1, 2).reshape(Bm // m, H, m * T)
 
 
 def _merge_pieces(o: Tensor, lse: Tensor, m: int) -> Tuple[Tensor, Tensor]:
