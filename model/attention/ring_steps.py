@@ -158,7 +158,7 @@ def flash_kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor
     """The one call of our kernel's backward with an external lse (B, H, T), contiguous float32."""
     from kernels.flash_attention import flash_attn_bwd
 
-    return flash_attn_bwd(do, q, k, v, o, lse, None, None, scale, causal, 0)
+    return flash_attn_bwd(do, q, k, v, o, lse, None, None, None, scale, causal, 0, 0.0)
 
 
 def _fold(x: Tensor, m: int) -> Tensor:
