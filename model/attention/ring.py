@@ -25,12 +25,18 @@ O(T/N) per rank. In flight per rank: two key/value shards (the one in use, the o
 in the backward also two fp32 dk/dv accumulators.
 
 With N = 1 (no group) there is no communication: one causal block, the backend's own attention.
+
+``attend`` is the registry's face of the ring (model/attention/__init__.py, ``build_attention``
+with a context group): a backend's ``attend`` signature, the backend's ring step inside, and no
+graph for ``torch.compile`` (TorchDynamo does not trace P2P calls: it stops at ``P2POp``), so a
+compiled model runs the ring eagerly between its compiled pieces.
 """
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from errors import UserError
 from model.attention.ring_steps import StepAttention, accumulation_dtype
 
 Tensor = torch.Tensor
@@ -164,3 +170,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Process
                          f"got {q.shape[1]} of a sequence of {q.shape[1] * n} over {n} ranks")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     return _RingAttention.apply(q, k, v, group, step, float(scale))
+
+
+@torch.compiler.disable
+def attend(q: Tensor, k: Tensor, v: Tensor, doc_ids: Optional[Tensor] = None, dropout_p: float = 0.0, *,
+           group: dist.ProcessGroup, step: StepAttention) -> Tensor:
+    """``ring_attention`` with a backend's ``attend`` signature: q: (B, T/N, H, D), k, v: (B, T/N, H_kv, D),
+    this rank's zigzag shard; returns o: (B, T/N, H, D). The ring has no document masks (doc_ids must be
+    None) and no attention dropout: a call that asks for it fails."""
+    if doc_ids is not None:
+        raise ValueError("ring attention has no document masks; pass doc_ids=None")
+    if dropout_p > 0:
+        raise UserError(f"attention dropout (dropout_p={dropout_p}) does not run under context parallelism (ring "
+                        "attention); set it to 0 or use trainer.context_parallel=1")
+    return ring_attention(q, k, v, group, step)
