@@ -53,7 +53,8 @@ def _visible_block(rank: int, source: int, half: int) -> Tuple[slice, slice, boo
 
 class _Hop:
     """One hop of the ring in flight: ``sent`` going to the next rank, ``received`` arriving from
-    the previous one (``torch.distributed`` P2P). Holds ``sent`` until the transfer is done."""
+    the previous one (``torch.distributed`` P2P). Holds ``sent`` until the transfer is done, and no
+    longer: in the backward the accumulator sent on is freed before the next one is allocated."""
 
     def __init__(self, sent: Tensor, group: dist.ProcessGroup, rank: int, n: int):
         self.sent, self.received = sent, torch.empty_like(sent)
@@ -66,6 +67,7 @@ class _Hop:
         """Block until both transfers are done; the buffer that arrived."""
         for request in self.requests:
             request.wait()
+        self.sent = None
         return self.received
 
 
