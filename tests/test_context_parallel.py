@@ -9,6 +9,8 @@
   gloo in test_ring_attention.py.)
 - Each combination the ring cannot run stops with one line that names the option.
 """
+import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -190,3 +192,36 @@ def test_a_context_parallel_size_that_does_not_divide_the_world_says_so(tmp_path
                           text=True, timeout=300)
     assert proc.returncode != 0
     assert "error: trainer.context_parallel=4 does not divide the 2 ranks; start a multiple of 4 ranks" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/bench_context_parallel.py (its GPU numbers come from the H100; here the plumbing)
+
+def load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cp", REPO / "scripts" / "bench_context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_runs_the_plain_and_the_ring_path_to_the_same_losses(tmp_path, capsys):
+    bench = load_bench()
+    bench.main(["model=tiny", "trainer.device=cpu", "trainer.dtype=fp32", "--lengths", "32,64", "--steps", "2",
+                "--warmup", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["T"], r["path"], r["status"]) for r in rows] == [(T, p, "ok") for T in (32, 64) for p in ("plain", "ring")]
+    for plain, ring in zip(rows[::2], rows[1::2]):
+        assert ring["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert "| 64 | ring |" in capsys.readouterr().out
+
+
+def test_the_memory_model_fit_recovers_its_own_constants():
+    bench = load_bench()
+    cfg = ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)
+    rows = [{"T": T, "peak_gib": bench.model_peak(cfg, T, 1, 75.0, 3e8) / bench.GIB} for T in (1024, 2048, 4096)]
+    a, c = bench.fit_memory(cfg, rows)
+    assert a == pytest.approx(75.0) and c == pytest.approx(3e8)
+    static = 16 * bench.parameters(dataclasses.replace(cfg, block_size=4096))
+    assert bench.model_peak(cfg, 4096, 2, 75.0, 0.0) - static == pytest.approx((75 + bench.RING) * 32 * 4096 / 2)

@@ -152,8 +152,9 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
     return Attention(name, functools.partial(_load(backend.attend), **bound), packed), name
 
 
-def ring_attention_of(name: str, group: dist.ProcessGroup) -> Attention:
-    """Backend ``name`` as ring attention over ``group``: q, k, v are this rank's zigzag shard."""
+def ring_attention_of(name: str, group: Optional[dist.ProcessGroup]) -> Attention:
+    """Backend ``name`` as ring attention over ``group``: q, k, v are this rank's zigzag shard. With no
+    group, a ring of one rank: the whole sequence, no communication (what N=1 costs through the ring)."""
     from model.attention import ring, ring_steps
 
     return Attention(name, functools.partial(ring.attend, group=group, step=ring_steps.ring_step_attention(name)))
