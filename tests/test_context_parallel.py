@@ -18,10 +18,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import REPO, run_env, tiny_config
 from errors import UserError
+from gloo import on_gloo_ranks
 from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import AttentionConfig
@@ -77,22 +77,12 @@ def _model_errors(pos, backend, compiled, group, rank, n):
     return {"loss": abs(mean_loss.item() / n - loss.item()), "grads": max(grad_errors)}
 
 
-def _model_worker(rank, world, init_file, results_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    results = {case_id(*case): _model_errors(*case, dist.group.WORLD, rank, world) for case in MODEL_CASES}
-    if rank == 0:
-        torch.save(results, results_file)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def model_results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cp-model")
-    mp.start_processes(_model_worker, args=(2, str(folder / "init"), str(folder / "results.pt")), nprocs=2,
-                       start_method="fork")
-    return torch.load(folder / "results.pt")
+    def compute(rank, world):
+        return {case_id(*case): _model_errors(*case, dist.group.WORLD, rank, world) for case in MODEL_CASES}
+
+    return on_gloo_ranks(compute, 2, tmp_path_factory.mktemp("cp-model"))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=case_id(*c)) for c in MODEL_CASES])

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo import on_gloo_ranks
 from model.attention import sdpa
 from model.attention.ring import merge_block, ring_attention
 from model.attention.ring_steps import RING_BACKENDS, accumulation_dtype, ring_step_attention
@@ -264,26 +264,17 @@ def _odd_shard_error(group):
     return "no error"
 
 
-def _ring_worker(rank, world, init_file, results_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _ring_results(rank, world):
     groups = {world: dist.group.WORLD, 2: dist.new_group([0, 1])}
     results = {case.id: _ring_errors(case, groups[case.ranks], rank) for case in RING_CASES if rank < case.ranks}
     if rank < 2:
         results["odd"] = _odd_shard_error(groups[2])
-    if rank == 0:
-        torch.save(results, results_file)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ring")
-    # fork: the workers start at once instead of importing torch again (they touch no GPU)
-    mp.start_processes(_ring_worker, args=(WORLD, str(folder / "init"), str(folder / "results.pt")),
-                       nprocs=WORLD, start_method="fork")
-    return torch.load(folder / "results.pt")
+    return on_gloo_ranks(_ring_results, WORLD, tmp_path_factory.mktemp("ring"))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in RING_CASES])
