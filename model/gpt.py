@@ -17,10 +17,10 @@ from model.config import ModelConfig
 from model.loss import lm_loss
 
 
-def rope_tables(T: int, head_dim: int, device: torch.device, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles: each (T, head_dim // 2), fp32."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles of tokens at ``positions`` (T,): each (T, head_dim // 2), fp32."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(positions.float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -143,8 +143,10 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         doc_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """idx, targets: (B, T) token ids; doc_ids: (B, T) document index or None.
+        """idx, targets: (B, T) token ids; doc_ids: (B, T) document index or None; positions: (T,)
+        int64, where idx's tokens sit in their sequences (a context-parallel shard), None for 0..T-1.
 
         Returns (logits, loss): logits (B, T, V) and None when no targets are given; with targets,
         None and the mean cross-entropy over all positions, computed in chunks so the full logits
@@ -152,11 +154,12 @@ class GPT(nn.Module):
         """
         B, T = idx.shape
         x = self.wte(idx)
+        positions = torch.arange(T, device=idx.device) if positions is None else positions
         rope = None
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self.wpe(positions)
         else:
-            rope = rope_tables(T, self.cfg.head_dim, idx.device)
+            rope = rope_tables(positions, self.cfg.head_dim)
         x = self.drop(x)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:

@@ -22,15 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from data.tokenizers import GPT2Tokenizer  # noqa: E402
 from errors import UserError  # noqa: E402
 from model.attention import BACKENDS  # noqa: E402
 from model.config import padded_vocab  # noqa: E402
-from training.cli import check_overrides, fail  # noqa: E402
-from training.config import register_configs, validate  # noqa: E402
+from training.cli import compose_config, fail  # noqa: E402
 from training.fit import largest_batch, longest_sequence  # noqa: E402
 from training.precision import apply_vram_budget, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 
@@ -44,15 +41,6 @@ def parse_args(argv):
     p.add_argument("--max-batch", type=int, default=512, help="largest micro-batch to try")
     p.add_argument("--out", help="also write the rows as JSON here")
     return p.parse_known_args(argv)
-
-
-def compose_config(overrides):
-    check_overrides(overrides)
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose(config_name="train", overrides=overrides))
-    validate(cfg)
-    return cfg
 
 
 def main(argv=None) -> None:

@@ -206,8 +206,8 @@ def test_non_finite_losses_stop_the_run_without_saving_a_nan_model(tmp_path, dat
     real_forward = GPT.forward
     calls = {"n": 0}
 
-    def poisoned(self, idx, targets=None, doc_ids=None):
-        logits, loss = real_forward(self, idx, targets, doc_ids)
+    def poisoned(self, idx, targets=None, doc_ids=None, positions=None):
+        logits, loss = real_forward(self, idx, targets, doc_ids, positions)
         if self.training and targets is not None:
             calls["n"] += 1
             if calls["n"] > 6:

@@ -148,3 +148,22 @@ def test_gpu_profile_counts_kernels_once_and_skips_named_regions(tmp_path):
         event("aten::mm", "CPU", 80.0),
     ])
     assert profiler._times_us() == {"_attn_fwd_kernel": 30.0, "multi_tensor_apply_kernel<FusedAdamMathFunctor>": 45.0}
+
+
+def test_gpu_profile_says_how_much_communication_ran_under_other_kernels(tmp_path):
+    from types import SimpleNamespace
+
+    from training.profiling import hidden_communication_us, overlap_us, report
+
+    assert overlap_us([(0, 10), (20, 30)], [(5, 12), (8, 22), (40, 50)]) == (20, 7)
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name="CUDA"), time_range=SimpleNamespace(start=start, end=end))
+
+    prof = SimpleNamespace(events=lambda: [kernel("ncclDevKernel_SendRecv", 0, 100), kernel("_attn_fwd_kernel", 10, 70),
+                                           kernel("ampere_bf16_gemm", 60, 90),
+                                           SimpleNamespace(name="aten::mm", device_type=SimpleNamespace(name="CPU"))])
+    assert hidden_communication_us(prof) == (100, 80)
+    text = report({"ncclDevKernel_SendRecv": 100.0, "_attn_fwd_kernel": 60.0}, 0.001, 1, torch.device("cpu"), (1, 1),
+                  (100.0, 80.0))
+    assert "Communication kernels: 0.10 ms per step, 0.08 ms of it (80%) while other kernels ran" in text

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from errors import UserError
-from training.config import TrainConfig, validate
+from training.config import TrainConfig, register_configs, validate
 from training.errors import Interrupted, OutOfMemory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,6 +236,16 @@ def add_overrides(argv: List[str], extra: List[str]) -> List[str]:
     n = len(overrides)
     end = next((i + n for i in range(len(argv) - n, -1, -1) if n and argv[i:i + n] == overrides), 0)
     return argv[:end] + extra + argv[end:]
+
+
+def compose_config(overrides: List[str]) -> TrainConfig:
+    """The typed, validated config of ``overrides`` composed outside a Hydra app (the scripts: fit.py, ...)."""
+    check_overrides(overrides)
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="train", overrides=overrides))
+    validate(cfg)
+    return cfg
 
 
 def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:

@@ -16,6 +16,7 @@ from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
 from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
+from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -58,6 +59,7 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
     vram_budget_gb: Optional[float] = None  # cap GPU memory to act like a smaller card
     distributed: str = "none"  # none | ddp | fsdp (start with torchrun --nproc_per_node=N)
+    context_parallel: int = 1  # N > 1: each sequence sharded over N ranks, ring attention (training/context_parallel.py)
     max_bad_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     sample_tokens: int = 200  # tokens of text generated at the end (0: none)
     profile_steps: int = 0  # > 0: profile this many steps (after 10 of warm-up) into <run dir>/profile.md
@@ -126,5 +128,6 @@ def validate(cfg: TrainConfig) -> None:
     check_positive("trainer.profile_steps", t.profile_steps, allow_zero=True)
     if t.peak_tflops is not None:
         check_positive("trainer.peak_tflops", t.peak_tflops)
+    check_context_parallel(cfg)
     check_choice("logger", cfg.logger.name, LOGGERS)
     check_choice("logger.mode", cfg.logger.mode, WANDB_MODES)

@@ -9,6 +9,12 @@ more for the embeddings and head) each rank holds 1/N of the weights, gradients 
 and gathers a block's weights just before using it. Rank 0 logs; the others only compute. CUDA
 ranks talk through NCCL, CPU ranks through gloo. With trainer.distributed=none (the default) every
 function here is a no-op.
+
+With ``trainer.context_parallel=N`` the world is a 2-D ``DeviceMesh`` (data parallel x context
+parallel, N consecutive ranks per context group): the N ranks of a group share each sequence
+(training/context_parallel.py) and read the same slice of the global batch, that of their data
+parallel rank. DDP and FSDP still span the whole world (FSDP shards over the flattened dp x cp
+mesh), so weight gradients are averaged over every rank.
 """
 import os
 from contextlib import contextmanager
@@ -17,6 +23,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -33,6 +40,23 @@ class Ranks:
     local_rank: int = 0
     kind: str = "none"
     control: Optional[dist.ProcessGroup] = None  # gloo group for host-side flags: agreeing on them never waits for a GPU
+    context_size: int = 1  # N: ranks that share each sequence (trainer.context_parallel)
+    context_group: Optional[dist.ProcessGroup] = None  # those N ranks (the mesh's cp dimension); None when N = 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the global batch this rank reads (its rank along the mesh's dp dimension)."""
+        return self.rank // self.context_size
+
+    @property
+    def data_size(self) -> int:
+        """Slices of the global batch: world_size / context_size."""
+        return self.world_size // self.context_size
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's place in its context group."""
+        return self.rank % self.context_size
 
     @property
     def sharded(self) -> bool:
@@ -48,8 +72,9 @@ class Ranks:
         return self.rank == 0
 
 
-def setup(kind: str, device: torch.device):
-    """Join the process group torchrun describes. Returns (Ranks, this rank's device)."""
+def setup(kind: str, device: torch.device, context_parallel: int = 1):
+    """Join the process group torchrun describes (as a dp x cp mesh with ``context_parallel`` > 1).
+    Returns (Ranks, this rank's device)."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if kind == "none":
         if launched and int(os.environ["WORLD_SIZE"]) > 1:
@@ -70,7 +95,20 @@ def setup(kind: str, device: torch.device):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
     ranks.control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    if context_parallel > 1:
+        ranks.context_size = context_parallel
+        ranks.context_group = context_group(ranks.world_size, context_parallel, device)
     return ranks, device
+
+
+def context_group(world_size: int, n: int, device: torch.device) -> dist.ProcessGroup:
+    """This rank's group along the context-parallel dimension of the (world_size / n, n) mesh."""
+    if world_size % n:
+        raise UserError(f"trainer.context_parallel={n} does not divide the {world_size} ranks; start a multiple of "
+                        f"{n} ranks (torchrun --nproc_per_node) or choose a trainer.context_parallel that divides "
+                        f"{world_size}")
+    mesh = init_device_mesh(device.type, (world_size // n, n), mesh_dim_names=("dp", "cp"))
+    return mesh.get_group("cp")
 
 
 def teardown() -> None:

@@ -29,7 +29,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     Returns a summary: {"step", "loss", "val_loss", "backend", "elapsed_s", "sample"}.
     """
     t = cfg.trainer
-    ranks, device = distributed.setup(t.distributed, resolve_device(t.device))
+    ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
     try:
         run = setup_run(cfg, Path(run_dir), ranks, device)
         if run.start_step >= t.max_steps:
@@ -71,7 +71,7 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
                 with run.meter.paused():
-                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype)
+                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype, run.shard)
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
                     run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
             if ckpt_due and last_good:
@@ -143,8 +143,14 @@ def interrupted(signum: Optional[int], step: int, kept) -> Interrupted:
 
 def write_sample(run: Run) -> str:
     """Text generated at the end, printed and written to sample.txt by rank 0 (sharded weights are
-    gathered collectively: every rank generates the same text)."""
+    gathered collectively: every rank generates the same text). None under context parallelism, where
+    the model's attention is a ring over the ranks of a sequence."""
     t = run.cfg.trainer
+    if run.ranks.context_size > 1:
+        if t.sample_tokens and run.ranks.is_main:
+            print(f"no sample under trainer.context_parallel={run.ranks.context_size}; write one from a checkpoint: "
+                  f"python scripts/sample.py {run.run_dir}")
+        return ""
     generating = run.ranks.is_main or run.ranks.sharded
     sample = generate_sample(run.model, run.tokenizer, t.sample_tokens if generating else 0, run.device, run.dtype, t.seed)
     if not (sample and run.ranks.is_main):

@@ -6,7 +6,9 @@ records the next N steps with ``torch.profiler`` and writes ``profile.md`` in th
 time per step, GPU kernel time per step, and that kernel time split into attention, matmul,
 optimizer, communication, memory copies and everything else (norms, activations, the loss's
 softmax), then the kernels that took longest. Kernel time well below wall time means the GPU
-waited for the host. The recorded steps run slower than the others (the profiler's own cost), and
+waited for the host. Where there is communication (NCCL kernels: DDP's all-reduce, the ring's
+send/recv under context parallelism) it also says how much of it ran while other kernels ran, i.e.
+was hidden under computation. The recorded steps run slower than the others (the profiler's own cost), and
 so does that window's tokens/s record.
 
 On CPU the same table is made from the CPU time of each operator.
@@ -14,7 +16,7 @@ On CPU the same table is made from the CPU time of each operator.
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -73,8 +75,9 @@ class StepProfiler:
         self.prof.stop()
         steps = self.last - self.first + 1
         times = self._times_us()
+        hidden = hidden_communication_us(self.prof) if self.device.type == "cuda" else None
         self.prof = None
-        self.path.write_text(report(times, wall_s, steps, self.device, (self.first, self.last)))
+        self.path.write_text(report(times, wall_s, steps, self.device, (self.first, self.last), hidden))
         busy_ms = sum(times.values()) / steps / 1e3
         return f"profile of steps {self.first}-{self.last}: {wall_s / steps * 1e3:.1f} ms per step, " \
                f"{busy_ms:.1f} ms of {'GPU kernels' if self.device.type == 'cuda' else 'CPU operators'} -> {self.path}"
@@ -108,8 +111,35 @@ def kernel_times_us(prof) -> dict:
     return dict(times)
 
 
-def report(times_us: dict, wall_s: float, steps: int, device: torch.device, window: tuple) -> str:
-    """profile.md: per-step wall and busy time, the split by category, the longest kernels/operators."""
+def hidden_communication_us(prof) -> Tuple[float, float]:
+    """(communication kernel time, the part of it during which another kernel ran), in microseconds
+    over everything ``prof`` recorded (its CUDA kernels and their start and end times)."""
+    communication, computation = [], []
+    for event in prof.events():
+        if event.device_type.name != "CUDA" or getattr(event, "is_user_annotation", False):
+            continue
+        span = (event.time_range.start, event.time_range.end)
+        (communication if category(event.name) == "communication" else computation).append(span)
+    return overlap_us(communication, computation)
+
+
+def overlap_us(spans: List[tuple], cover: List[tuple]) -> Tuple[float, float]:
+    """(total length of ``spans``, the length of their parts inside the union of ``cover``); (start, end) pairs."""
+    merged = []
+    for start, end in sorted(cover):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = sum(end - start for start, end in spans)
+    covered = sum(max(0, min(end, c_end) - max(start, c_start)) for start, end in spans for c_start, c_end in merged)
+    return total, covered
+
+
+def report(times_us: dict, wall_s: float, steps: int, device: torch.device, window: tuple,
+           communication: Optional[Tuple[float, float]] = None) -> str:
+    """profile.md: per-step wall and busy time, the split by category, the longest kernels/operators, and
+    ``communication`` = (communication kernel us, the part of it hidden under other kernels) when given."""
     unit = "GPU kernel" if device.type == "cuda" else "CPU operator"
     busy_us = sum(times_us.values())
     by_category = defaultdict(float)
@@ -132,6 +162,10 @@ def report(times_us: dict, wall_s: float, steps: int, device: torch.device, wind
     ]
     for label, us in sorted(by_category.items(), key=lambda kv: -kv[1]):
         lines.append(f"| {label} | {per_step(us):.2f} | {us / busy_us:.1%} |")
+    if communication and communication[0] > 0:
+        total, hidden = communication
+        lines += ["", f"Communication kernels: {per_step(total):.2f} ms per step, {per_step(hidden):.2f} ms of it "
+                      f"({hidden / total:.0%}) while other kernels ran (hidden under computation)."]
     lines += ["", f"Longest {unit}s:", "", f"| {unit} | kind | ms per step |", "|---|---|---|"]
     for name, us in sorted(times_us.items(), key=lambda kv: -kv[1])[:20]:
         short = name.replace("|", "/")[:100]

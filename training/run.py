@@ -24,6 +24,7 @@ from model.config import padded_vocab
 from training import distributed
 from training.checkpoint import Checkpointer, restore
 from training.config import TrainConfig
+from training.context_parallel import SequenceShard
 from training.cuda_graph import CapturedStep, use_cuda_graph
 from training.fit import auto_batch_size
 from training.loggers import MetricsLogger, QuietLogger
@@ -52,6 +53,7 @@ class Run:
     train_loader: BatchLoader
     val_loader: BatchLoader
     step: Callable  # step(loader) -> (loss, grad_norm, good) device tensors: one optimizer step, as a CUDA graph or not
+    shard: SequenceShard  # the tokens of each sequence this rank trains on (a zigzag shard under context parallelism)
     start_step: int  # the last step already done (0, or the step of the checkpoint resumed)
     tokens_per_step: int
     checkpointer: Checkpointer
@@ -73,7 +75,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     tokenizer = load_tokenizer(data.manifest)
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
     batch_size = resolve_batch_size(t.batch_size, model_cfg, cfg, device, dtype)
-    attention, backend = build_attention(cfg.attention, device)
+    attention, backend = build_attention(cfg.attention, device, ranks.context_group)
     model = GPT(model_cfg, attention).to(device)
     parallel_model = distributed.wrap(model, ranks, device, dtype)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -85,21 +87,27 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     finished = start_step >= t.max_steps
     logger = QuietLogger() if finished or not ranks.is_main else MetricsLogger(
         run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config, wandb_id)  # rank 0 reports
-    tokens_per_step = batch_size * t.grad_accum * model_cfg.block_size * ranks.world_size
+    tokens_per_step = batch_size * t.grad_accum * model_cfg.block_size * ranks.data_size
     logger.message(
         f"{model.num_params() / 1e6:.2f}M parameters | attention={backend} | {device.type} {dtype_name(dtype)} | "
-        f"{batch_size * t.grad_accum * ranks.world_size} sequences = {tokens_per_step:,} tokens/step"
+        f"{batch_size * t.grad_accum * ranks.data_size} sequences = {tokens_per_step:,} tokens/step"
         + (f" over {ranks.world_size} ranks" if ranks.enabled else "")
+        + (f" ({ranks.data_size} data parallel x {ranks.context_size} context parallel: ring attention, "
+           f"{model_cfg.block_size // ranks.context_size} tokens of each sequence per rank)"
+           if ranks.context_size > 1 else "")
         + f" | run dir {run_dir}" + (f" | resumed at step {start_step}" if start_step else "")
     )
     if ranks.is_main and not finished:
         write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size)
 
     step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
-    step = functools.partial(train_step, step_model, model, optimizer, scaler, t=t, device=device, dtype=dtype)
+    shard = SequenceShard(ranks.context_rank, ranks.context_size)
+    step = functools.partial(train_step, step_model, model, optimizer, scaler, t=t, device=device, dtype=dtype,
+                             shard=shard)
     return Run(
         cfg, run_dir, ranks, device, dtype, backend, tokenizer, model, step_model, optimizer, train_loader, val_loader,
         step=CapturedStep(step, optimizer, t.grad_accum) if captured else step,
+        shard=shard,
         start_step=start_step,
         tokens_per_step=tokens_per_step,
         checkpointer=Checkpointer(run_dir, t.keep_checkpoints, model, optimizer, scaler, ranks, device, config,
@@ -141,9 +149,10 @@ def resolve_batch_size(batch_size, model_cfg: ModelConfig, cfg: TrainConfig, dev
 
 def make_loaders(data: PreparedData, cfg: TrainConfig, batch_size: int, ranks: distributed.Ranks,
                  device) -> Tuple[BatchLoader, BatchLoader]:
-    """(train, validation) loaders of this rank's slice of each global batch."""
+    """(train, validation) loaders of this rank's slice of each global batch (the ranks of a context group
+    read the same slice)."""
     common = dict(block_size=cfg.model.block_size, batch_size=batch_size, device=device, eot_id=data.eot_id,
-                  document_mask=cfg.data.document_mask, rank=ranks.rank, world_size=ranks.world_size)
+                  document_mask=cfg.data.document_mask, rank=ranks.data_rank, world_size=ranks.data_size)
     seed = cfg.trainer.seed
     return (BatchLoader(data.train_path, data.dtype, seed=seed, **common),
             BatchLoader(data.val_path, data.dtype, seed=seed + 1, **common))

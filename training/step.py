@@ -5,12 +5,16 @@ from data.loader import BatchLoader
 from model import GPT
 from training import distributed
 from training.config import TrainerConfig
+from training.context_parallel import SequenceShard
 from training.optim import clip_in_step
 from training.precision import autocast
 
 
-def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, device, dtype):
+def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, device, dtype,
+               shard: SequenceShard = SequenceShard()):
     """One optimizer step over ``grad_accum`` micro-batches, queued without waiting for the device.
+
+    ``shard`` picks the tokens of each sequence this rank trains on (context parallelism).
 
     Returns device tensors (mean loss, grad norm, good) where ``good`` says the step counted. A step
     whose loss or gradient is not finite updates nothing: with fp16 the grad scaler skips it (and
@@ -20,9 +24,10 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
     loss_sum = torch.zeros((), device=device)
     for micro in range(t.grad_accum):
         x, y, doc_ids = loader.next_batch()
+        x, y, positions = shard(x, y)
         with distributed.gradient_sync(step_model, micro == t.grad_accum - 1):
             with autocast(device, dtype):
-                _, loss = step_model(x, y, doc_ids)
+                _, loss = step_model(x, y, doc_ids, positions)
             loss_sum += loss.detach()
             scaler.scale(loss / t.grad_accum).backward()
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -46,15 +51,16 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
 
 
 @torch.no_grad()
-def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype) -> float:
+def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype, shard: SequenceShard = SequenceShard()) -> float:
     """Mean loss over the same ``iters`` validation batches every time (the loader restarts)."""
     step_model.eval()
     loader.load_state_dict({"batches_drawn": 0})
     total = torch.zeros((), device=device)
     for _ in range(iters):
         x, y, doc_ids = loader.next_batch()
+        x, y, positions = shard(x, y)
         with autocast(device, dtype):
-            _, loss = step_model(x, y, doc_ids)
+            _, loss = step_model(x, y, doc_ids, positions)
         total += loss.float()
     step_model.train()
     return distributed.mean(total / iters).item()

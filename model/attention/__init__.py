@@ -13,6 +13,11 @@ taking q, k and v side by side in qkv: (B, T, H + 2 * H_kv, D), as the fused pro
 the model uses it when nothing (RoPE) changes q and k after the projection. flash does: its
 backward then returns qkv's gradient as one tensor instead of three that autograd concatenates.
 
+Under context parallelism each sequence is sharded over the N ranks of a process group and a
+backend runs as the per-step attention of ring attention (``build_attention(..., context=group)``;
+model/attention/ring.py, ring_steps.py): naive, sdpa and flash have such a step; there is no packed
+variant then, and no window.
+
 Adding a backend: its file here, one row in ``BACKENDS``, and configs/attention/<name>.yaml.
 """
 import dataclasses
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from errors import UserError, check_positive
 from model.config import AttentionConfig
@@ -119,11 +125,14 @@ def check_options(name: str, wanted: Dict[str, str]) -> None:
         raise UserError(f"attention={name} cannot run with {missing[0]}; backends that can: {', '.join(able) or 'none'}")
 
 
-def build_attention(cfg: AttentionConfig, device: torch.device) -> Tuple[Attention, str]:
+def build_attention(cfg: AttentionConfig, device: torch.device,
+                    context: Optional[dist.ProcessGroup] = None) -> Tuple[Attention, str]:
     """The backend ``cfg`` names, bound to its options, for ``device``, and the name of the one that runs.
 
     A backend that cannot run here falls back (flash: to sdpa) with one warning, or fails when
-    ``attention.strict=true`` or it has no fallback.
+    ``attention.strict=true`` or it has no fallback. With ``context``, the process group of the
+    ranks that share each sequence (context parallelism), it runs as the step of ring attention over
+    that group; the caller has refused what the ring cannot compute (a window, document masks).
     """
     if cfg.name not in BACKENDS:
         raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
@@ -136,11 +145,21 @@ def build_attention(cfg: AttentionConfig, device: torch.device) -> Tuple[Attenti
         warnings.warn(f"attention={name} cannot run ({reason}); using attention={fallback} instead", stacklevel=2)
         name = fallback
     check_options(name, features_in_use(cfg))
+    if context is not None:
+        return ring_attention_of(name, context), name
     backend = BACKENDS[name]
     config_keys = {f.name for f in dataclasses.fields(AttentionConfig)}
     bound = {key: getattr(cfg, key) for key in backend.options if key in config_keys}
     packed = functools.partial(_load(backend.packed), **bound) if backend.packed else None
     return Attention(name, functools.partial(_load(backend.attend), **bound), packed), name
+
+
+def ring_attention_of(name: str, group: Optional[dist.ProcessGroup]) -> Attention:
+    """Backend ``name`` as ring attention over ``group``: q, k, v are this rank's zigzag shard. With no
+    group, a ring of one rank: the whole sequence, no communication (what N=1 costs through the ring)."""
+    from model.attention import ring, ring_steps
+
+    return Attention(name, functools.partial(ring.attend, group=group, step=ring_steps.ring_step_attention(name)))
 
 
 def _load(ref: str) -> Callable:
