@@ -15,10 +15,14 @@ def _worker(rank, world, compute, init_file, results_file):
 
 
 def on_gloo_ranks(compute, world: int, folder) -> dict:
-    """``compute(rank, world) -> dict`` on ``world`` processes joined in a gloo group; rank 0's dict.
+    """``compute(rank, world) -> dict`` (a module-level function) on ``world`` processes joined in a gloo
+    group; rank 0's dict.
 
-    fork: the workers start at once instead of importing torch again (they touch no GPU).
+    fork: the workers start at once instead of importing torch again (they touch no GPU). Once this
+    process has used CUDA, autograd's device threads make a forked child's backward fail, so the
+    workers are spawned instead (they import the test module and run ``compute`` from there).
     """
+    start_method = "spawn" if torch.cuda.is_initialized() else "fork"
     mp.start_processes(_worker, args=(world, compute, str(folder / "init"), str(folder / "results.pt")),
-                       nprocs=world, start_method="fork")
+                       nprocs=world, start_method=start_method)
     return torch.load(folder / "results.pt")

@@ -77,12 +77,13 @@ def _model_errors(pos, backend, compiled, group, rank, n):
     return {"loss": abs(mean_loss.item() / n - loss.item()), "grads": max(grad_errors)}
 
 
+def _model_results(rank, world):
+    return {case_id(*case): _model_errors(*case, dist.group.WORLD, rank, world) for case in MODEL_CASES}
+
+
 @pytest.fixture(scope="module")
 def model_results(tmp_path_factory):
-    def compute(rank, world):
-        return {case_id(*case): _model_errors(*case, dist.group.WORLD, rank, world) for case in MODEL_CASES}
-
-    return on_gloo_ranks(compute, 2, tmp_path_factory.mktemp("cp-model"))
+    return on_gloo_ranks(_model_results, 2, tmp_path_factory.mktemp("cp-model"))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=case_id(*c)) for c in MODEL_CASES])
