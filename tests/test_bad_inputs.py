@@ -147,6 +147,10 @@ VALIDATION_CASES = [  # values the schema accepts but validate() must reject
     pytest.param("data", "max_docs", 0, "data.max_docs=0 must be positive", id="zero-docs"),
     pytest.param("data", "source", "s3", "data.source='s3' is not one of text, hf", id="unknown-source"),
     pytest.param("logger", "mode", "loud", "logger.mode='loud' is not one of online, offline, disabled", id="wandb-mode"),
+    pytest.param("optim", "lr", float("nan"), "optim.lr=nan is not a finite number", id="nan-lr"),
+    pytest.param("optim", "eps", -1.0, "optim.eps=-1.0 must be a positive number", id="negative-eps"),
+    pytest.param("trainer", "seed", -1, "trainer.seed=-1 must be >= 0", id="negative-seed"),
+    pytest.param("trainer", "seed", 2**64, f"trainer.seed={2**64} must be below 2**64", id="huge-seed"),
 ]
 
 

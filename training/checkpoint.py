@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from errors import UserError
 from model.config import ModelConfig
 from training import distributed
+from training.errors import NonFiniteState
 from training.optim import plain_state_dict
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
@@ -37,6 +39,10 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_s
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(NAME.match(checkpoint.name).group(1))
 
 
 def list_checkpoints(run_dir: Path) -> List[Path]:
@@ -122,7 +128,7 @@ def prune(run_dir: Path, step: int, keep: int) -> None:
     Newer ones belong to an abandoned timeline (a damaged newest one was skipped, or an older one
     was resumed by name): they would outrank this save, and pruning could delete it.
     """
-    kept = [p for p in list_checkpoints(run_dir) if int(NAME.match(p.name).group(1)) <= step]
+    kept = [p for p in list_checkpoints(run_dir) if step_of(p) <= step]
     for old in set(list_checkpoints(run_dir)) - set(kept[-keep:]):
         remove_checkpoint(old)
 
@@ -203,6 +209,15 @@ def restore_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def state_is_finite(model, optimizer) -> bool:
+    """Whether every weight and optimizer-state tensor (this rank's shards) is finite: one fused
+    max-abs reduction on the device over all of them, one sync."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *state)]
+    largest = torch._foreach_norm([t for t in tensors if t.is_floating_point() and t.numel()], ord=float("inf"))
+    return bool(torch.stack([m.float() for m in largest]).isfinite().all())
+
+
 class Checkpointer:
     """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config and
     wandb id. Whole-model files come from rank 0; under FSDP every rank writes its shards."""
@@ -214,7 +229,11 @@ class Checkpointer:
         self.config, self.wandb_id = config, wandb_id
 
     def save(self, step: int, loader_state: dict, rng: Optional[dict] = None) -> Optional[Path]:
-        """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing."""
+        """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing.
+        NonFiniteState, on every rank, when a weight or optimizer-state value is not finite."""
+        bad = not state_is_finite(self.model, self.optimizer)  # DDP ranks hold the same values: the same answer
+        if distributed.any_rank(bad, self.ranks) if self.ranks.sharded else bad:
+            raise NonFiniteState(step)
         if not (self.ranks.is_main or self.ranks.sharded):
             return None  # a whole-model checkpoint is rank 0's alone
         state = {

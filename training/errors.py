@@ -1,6 +1,6 @@
 """How a run stops early: the errors the loop raises, each carrying what was saved and what to try.
 
-``TrainingStopped`` and ``OutOfMemory`` are UserErrors (one line, exit status 2); ``Interrupted``
+``TrainingStopped``, ``NonFiniteState`` and ``OutOfMemory`` are UserErrors (one line, exit status 2); ``Interrupted``
 exits with 128 + the signal number (training/cli.py).
 """
 from pathlib import Path
@@ -19,6 +19,14 @@ OUT_OF_MEMORY_ADVICE = (
 
 class TrainingStopped(UserError):
     """The run cannot go on (non-finite loss for too many steps); the last good checkpoint is kept."""
+
+
+class NonFiniteState(UserError):
+    """A checkpoint was due but the weights or the optimizer state are not finite: nothing was written."""
+
+    def __init__(self, step: int):
+        super().__init__(f"the weights or the optimizer state after step {step} are not finite, although its loss and "
+                         "gradient were; no checkpoint was written")
 
 
 class OutOfMemory(UserError):

@@ -65,13 +65,14 @@ class MetricsLogger:
         self.bar.update(steps)
 
     def log(self, record: dict) -> None:
+        val_loss = record.get("val_loss")  # NaN is written as null but shown as it is
         record = {k: _clean(v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu") if record.get(k) is not None}
         self.bar.set_postfix({k: f"{v:.4g}" if k != "tokens_per_s" else f"{v:,.0f}" for k, v in shown.items()}, refresh=False)
         if "val_loss" in record:
-            self.message(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+            self.message(f"step {record['step']}: val_loss {val_loss:.4f}")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
