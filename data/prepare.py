@@ -106,6 +106,16 @@ def prepared(folder: Path, manifest: dict, rebuilt: bool) -> PreparedData:
                         manifest=manifest, rebuilt=rebuilt)
 
 
+def corpus_identity(manifest: dict) -> dict:
+    """What a checkpoint records of the text it was trained on: {"digest", "described"}. The digest
+    covers the source's contents (file hashes, or the hub dataset's fingerprint) and its settings,
+    not its path: a corpus moved elsewhere is the same corpus."""
+    spec = manifest["spec"]
+    source = dict(manifest["source"], files=[record["sha256"] for record in manifest["source"].get("files", [])])
+    digest = short_hash({"spec": {k: v for k, v in spec.items() if k != "path"}, "source": source})
+    return {"digest": digest, "described": f"data.path={spec['path']}" if spec["path"] else "the embedded Tiny Shakespeare"}
+
+
 def build(cfg: DataConfig, spec: dict, folder: Path, files: Optional[List[Path]]) -> dict:
     """Tokenize the source into ``folder``: both bins, then the manifest. Returns the manifest."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from data.tokenizers import describe_tokenizer
 from errors import UserError
 from model.config import ModelConfig
 from training import distributed
@@ -219,14 +220,15 @@ def state_is_finite(model, optimizer) -> bool:
 
 
 class Checkpointer:
-    """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config and
-    wandb id. Whole-model files come from rank 0; under FSDP every rank writes its shards."""
+    """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config, wandb
+    id, and its ``lineage``: the tokenizer's identity and the corpus' (data/prepare.py). Whole-model
+    files come from rank 0; under FSDP every rank writes its shards."""
 
     def __init__(self, run_dir: Path, keep: int, model, optimizer, scaler, ranks: distributed.Ranks,
-                 device: torch.device, config: dict, wandb_id: Optional[str]):
+                 device: torch.device, config: dict, wandb_id: Optional[str], lineage: dict):
         self.run_dir, self.keep, self.ranks, self.device = run_dir, keep, ranks, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.config, self.wandb_id = config, wandb_id
+        self.config, self.wandb_id, self.lineage = config, wandb_id, lineage
 
     def save(self, step: int, loader_state: dict, rng: Optional[dict] = None) -> Optional[Path]:
         """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing.
@@ -244,6 +246,7 @@ class Checkpointer:
             "rng": rng if rng is not None else rng_state(self.device),
             "config": self.config,
             "wandb_id": self.wandb_id,
+            **self.lineage,
         }
         if self.ranks.sharded:
             return save_sharded_checkpoint(self.run_dir, step, self.model, self.optimizer, state, self.keep,
@@ -253,8 +256,9 @@ class Checkpointer:
 
 
 def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device: torch.device,
-            ranks: distributed.Ranks) -> Tuple[int, Optional[str]]:
-    """Load the checkpoint ``trainer.resume`` names into the run. Returns (step reached, wandb id)."""
+            ranks: distributed.Ranks, lineage: dict) -> Tuple[int, Optional[str]]:
+    """Load the checkpoint ``trainer.resume`` names into the run, whose data has ``lineage`` (the
+    tokenizer's and the corpus' identity). Returns (step reached, wandb id)."""
     if resume == "none":
         old = list_checkpoints(run_dir) if ranks.is_main else []
         if old:
@@ -270,6 +274,7 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
     check_compatible(path, state, model.cfg)
+    check_lineage(path, state, lineage, ranks.is_main)
     check_layout(path, state, ranks)
     if state["sharded"]:
         load_sharded_checkpoint(path, model, optimizer)
@@ -296,6 +301,24 @@ def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
                 f"resume with the same model and data settings, or start fresh with trainer.resume=none "
                 f"(or another hydra.run.dir)"
             )
+
+
+def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool) -> None:
+    """A checkpoint resumes only with the tokenizer it was trained with (token ids must keep their
+    meaning); on another corpus it resumes, fine-tuning, and says so once (its own checkpoints then
+    carry the new corpus). Checkpoints that carry no tokenizer were made before it was recorded."""
+    if "tokenizer" not in state:
+        return
+    theirs, mine = describe_tokenizer(state["tokenizer"]), describe_tokenizer(lineage["tokenizer"])
+    if state["tokenizer"] != lineage["tokenizer"]:
+        mine = mine if mine != theirs else f"{mine[:-1]}, a different set)"
+        raise UserError(f"checkpoint {path} was trained with {theirs} but this run's data gives {mine}: its token ids "
+                        f"would mean other text. Resume it with the data it was trained on "
+                        f"({state['corpus']['described']}), or start fresh with trainer.resume=none (or another "
+                        "hydra.run.dir)")
+    if state["corpus"]["digest"] != lineage["corpus"]["digest"] and is_main:
+        print(f"note: checkpoint {path} was trained on {state['corpus']['described']}; this run continues it on "
+              f"{lineage['corpus']['described']} (the same tokenizer)")
 
 
 def check_layout(path: Path, state: dict, ranks: distributed.Ranks) -> None:
