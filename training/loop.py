@@ -20,6 +20,7 @@ from training.health import LossWatch
 from training.optim import lr_at, set_lr
 from training.precision import resolve_device
 from training.run import Run, setup_run
+from training.run_folder import claim_run_folder
 from training.signals import StopRequest
 from training.step import evaluate, generate_sample
 
@@ -31,7 +32,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """
     t = cfg.trainer
     ranks, device = distributed.setup(t.distributed, resolve_device(t.device))
+    lock = None
     try:
+        lock = claim_run_folder(Path(run_dir), ranks)  # one run per folder; rank 0 holds it
         run = setup_run(cfg, Path(run_dir), ranks, device)
         if run.start_step >= t.max_steps:
             print(f"{run.run_dir} holds a finished run (step {run.start_step} of {t.max_steps}): extend it with "
@@ -41,6 +44,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             loss, val_loss, elapsed = train_loop(run)
         return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
     finally:
+        if lock is not None:
+            lock.release()
         distributed.teardown()
 
 

@@ -1,0 +1,146 @@
+"""Run folders and token caches: one process at a time, their problems found before training starts."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_env, tiny_config
+from data.folders import FolderLock, lock_holder
+from errors import UserError
+from training import distributed, loop
+from training.run_folder import claim_run_folder
+
+
+def train_cmd(run_dir, cache, *extra):
+    return [sys.executable, "train.py", "model=tiny", "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+            "model.block_size=32", "data=shakespeare_char", f"data.cache_dir={cache}", "trainer.device=cpu",
+            "trainer.max_steps=2", "trainer.batch_size=2", "trainer.eval_iters=1", "trainer.sample_tokens=0",
+            "logger.progress=false", f"hydra.run.dir={run_dir}", *extra]
+
+
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def test_a_second_run_into_a_busy_folder_stops_at_once_naming_the_holder(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = FolderLock(run_dir)
+    assert held.try_acquire()
+    try:
+        proc = subprocess.run(train_cmd(run_dir, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True,
+                              timeout=120)
+        line = one_error_line(proc.stderr)
+        assert proc.returncode == 2 and f"in use by another run (PID {os.getpid()})" in line
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]  # nothing written: not even Hydra's .hydra/
+        with pytest.raises(UserError, match=f"in use by another run .PID {os.getpid()}"):
+            loop.train(tiny_config(data_cache), run_dir)  # the same, called in-process
+    finally:
+        held.release()
+    loop.train(tiny_config(data_cache, max_steps=2), run_dir)  # free again
+
+
+def test_a_killed_run_leaves_no_stale_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom data.folders import FolderLock\n"
+                               "assert FolderLock(sys.argv[1]).try_acquire()\nprint('held', flush=True)\ntime.sleep(60)",
+                               str(tmp_path)], cwd=REPO, env=run_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    assert lock_holder(tmp_path) == holder.pid
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert lock_holder(tmp_path) is None
+    lock = FolderLock(tmp_path)
+    assert lock.try_acquire()
+    lock.release()
+
+
+def test_under_torchrun_rank_0_holds_the_run_folder(tmp_path):
+    other = FolderLock(tmp_path)
+    assert other.try_acquire()
+    try:
+        assert claim_run_folder(tmp_path, distributed.Ranks(rank=1, world_size=2)) is None  # takes nothing
+        with pytest.raises(UserError, match="in use by another run"):
+            claim_run_folder(tmp_path, distributed.Ranks(rank=0, world_size=2))
+    finally:
+        other.release()
+    lock = claim_run_folder(tmp_path, distributed.Ranks(rank=0, world_size=2))
+    assert lock_holder(tmp_path) == os.getpid()
+    lock.release()
+
+
+def test_two_preparations_of_one_cache_wait_for_each_other(tmp_path):
+    """Both see no cache; the second waits for the first and reuses what it built: no temporary files,
+    no traceback. The test holds the cache's lock until both are waiting, so they surely overlap."""
+    from data.config import DataConfig
+    from data.prepare import cache_folder
+
+    cache = tmp_path / "cache"
+    folder = cache_folder(DataConfig(name="shakespeare_char", tokenizer="char", cache_dir=str(cache)))
+    folder.mkdir(parents=True)
+    held = FolderLock(folder)
+    assert held.try_acquire()
+    cmd = [sys.executable, "scripts/prepare_data.py", "data=shakespeare_char", f"data.cache_dir={cache}"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        for proc in procs:
+            line = proc.stdout.readline()
+            assert f"waiting for PID {os.getpid()}" in line, line + proc.stderr.read()
+    finally:
+        held.release()
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert sum(out.count("tokenizing") for out, _ in outputs) == 1, outputs
+    assert not any("Traceback" in err for _, err in outputs)
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "manifest.json", "train.bin", "val.bin"]
+
+
+def test_a_run_dir_that_is_a_file_fails_in_one_line(tmp_path, data_cache):
+    path = tmp_path / "run"
+    path.write_text("not a folder")
+    proc = subprocess.run(train_cmd(path, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{path} is a file, not a folder" in one_error_line(proc.stderr)
+    proc = subprocess.run(train_cmd(path / "sub", data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and f"{path} is a file, not a folder" in one_error_line(proc.stderr)
+
+
+def trained_nothing(run_dir) -> bool:
+    return not (run_dir / "metrics.jsonl").exists()
+
+
+def test_run_folder_problems_fail_before_training(tmp_path, data_cache, monkeypatch):
+    cfg = tiny_config(data_cache, max_steps=2)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "checkpoints").write_text("")
+    with pytest.raises(UserError, match=r"a/checkpoints is a file, not a folder.*remove it or give another hydra.run.dir"):
+        loop.train(cfg, tmp_path / "a")
+    assert trained_nothing(tmp_path / "a")
+
+    (tmp_path / "b").write_text("")
+    with pytest.raises(UserError, match="b is a file, not a folder"):
+        loop.train(cfg, tmp_path / "b")
+
+    (tmp_path / "c").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(tmp_path / "c") else real_access(p, mode, **kw))
+    with pytest.raises(UserError, match="cannot write to the run folder .*c; give a writable hydra.run.dir"):
+        loop.train(cfg, tmp_path / "c")  # as root (in CI containers) nothing is unwritable: os.access says so here
+    assert trained_nothing(tmp_path / "c")
+
+
+def test_a_cache_dir_that_is_a_file_fails_in_one_line(tmp_path):
+    from data.config import DataConfig
+    from data.prepare import prepare
+
+    (tmp_path / "cache").write_text("")
+    with pytest.raises(UserError, match=r"data.cache_dir=.*cache: .*cache is a file, not a folder"):
+        prepare(DataConfig(name="c", tokenizer="char", cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(UserError, match=r"data.cache_dir=.*cache/sub: .*cache is a file, not a folder"):
+        prepare(DataConfig(name="c", tokenizer="char", cache_dir=str(tmp_path / "cache" / "sub")))
