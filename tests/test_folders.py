@@ -1,15 +1,20 @@
-"""Run folders and token caches: one process at a time, their problems found before training starts."""
+"""Run folders and token caches: one process at a time, their problems found before training starts,
+and a full disk during a save."""
+import errno
+import io
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO, run_env, tiny_config
 from data.folders import FolderLock, lock_holder
 from errors import UserError
 from training import distributed, loop
+from training.checkpoint import save_checkpoint
 from training.run_folder import claim_run_folder
 
 
@@ -144,3 +149,50 @@ def test_a_cache_dir_that_is_a_file_fails_in_one_line(tmp_path):
         prepare(DataConfig(name="c", tokenizer="char", cache_dir=str(tmp_path / "cache")))
     with pytest.raises(UserError, match=r"data.cache_dir=.*cache/sub: .*cache is a file, not a folder"):
         prepare(DataConfig(name="c", tokenizer="char", cache_dir=str(tmp_path / "cache" / "sub")))
+
+
+class FillsUp(io.RawIOBase):
+    """A file that takes ``room`` bytes, then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(bytes(data[:self.room]))
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """PyTorch's zip writer turns the failed write into `RuntimeError: ... unexpected pos`; the
+    temporary file stayed (70 MB in the report) and the next save failed the same way."""
+    state = lambda step: {"step": step, "model": {"w": torch.full((100_000,), float(step))}}
+    save_checkpoint(tmp_path, 1, state(1), keep=2)
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, FillsUp(f, 50_000)))
+    with pytest.raises(UserError, match=r"no space left on .*checkpoints: the checkpoint of step 2 was not written; "
+                                        r"the previous checkpoints are kept"):
+        save_checkpoint(tmp_path, 2, state(2), keep=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001.pt"]
+    assert save_checkpoint(tmp_path, 2, state(2), keep=2).name == "step_0000002.pt"  # space again: it saves
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import training.checkpoint
+
+    save_checkpoint(tmp_path, 1, {"step": 1, "model": {"w": torch.ones(100_000)}}, keep=2)
+    size = (tmp_path / "checkpoints" / "step_0000001.pt").stat().st_size
+    monkeypatch.setattr(training.checkpoint.shutil, "disk_usage", lambda p: SimpleNamespace(free=size // 2))
+    with pytest.raises(UserError, match=r"no space left on .*checkpoints: the checkpoint of step 2 was not written "
+                                        r"\(0.2 MB free, the last one took 0.4 MB\)"):
+        save_checkpoint(tmp_path, 2, {"step": 2, "model": {"w": torch.ones(100_000)}}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001.pt"]

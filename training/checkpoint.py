@@ -9,9 +9,12 @@ writes its shards of the model and optimizer with ``torch.distributed.checkpoint
 adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
 FSDP with any number of ranks.
 
-A run saves through its ``Checkpointer`` and starts with ``restore`` (``trainer.resume``), which
-refuses a checkpoint of another model shape or layout.
+A run saves through its ``Checkpointer``, which writes nothing unless the weights and optimizer
+state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``),
+which refuses a checkpoint of another model shape or layout or of another tokenizer (a checkpoint
+carries its tokenizer and the identity of its corpus; a changed corpus is resumed, and said so).
 """
+import errno
 import os
 import re
 import shutil
@@ -66,7 +69,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step:07d}.pt"
     tmp = folder / f".step_{step:07d}.pt.tmp"
-    _write_synced(tmp, state)
+    check_space(run_dir, step)
+    _write_synced(tmp, state, step)
     os.replace(tmp, final)
     _fsync_dir(folder)
     prune(run_dir, step, keep)
@@ -90,7 +94,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     distributed.barrier()
     if is_main:
-        _write_synced(tmp / META, meta)
+        _write_synced(tmp / META, meta, step)
         remove_checkpoint(final)
         os.replace(tmp, final)
         _fsync_dir(folder)
@@ -141,11 +145,45 @@ def remove_checkpoint(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_synced(path: Path, state: dict) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_synced(path: Path, state: dict, step: int) -> None:
+    """Write ``state`` to ``path`` and flush it to disk; on any failure remove what was written, and
+    say a full disk in one line (torch's zip writer reports it as "unexpected pos")."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as err:
+        path.unlink(missing_ok=True)
+        if out_of_space(err):
+            raise UserError(no_space(path.parent, step)) from err
+        raise
+
+
+def check_space(run_dir: Path, step: int) -> None:
+    """Refuse to start writing when the disk has less room than the last checkpoint took."""
+    last = [p for p in list_checkpoints(run_dir) if p.is_file()]
+    if not last:
+        return
+    needed, free = last[-1].stat().st_size, shutil.disk_usage(checkpoint_dir(run_dir)).free
+    if free < needed:
+        raise UserError(no_space(checkpoint_dir(run_dir), step, f" ({free / 1e6:.1f} MB free, the last one took "
+                                                                 f"{needed / 1e6:.1f} MB)"))
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether a disk or quota that is full caused ``err`` (anywhere in its chain)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def no_space(folder: Path, step: int, detail: str = "") -> str:
+    return (f"no space left on {folder}: the checkpoint of step {step} was not written{detail}; the previous "
+            "checkpoints are kept. Free some space (or lower trainer.keep_checkpoints), then start the same command "
+            "again to resume")
 
 
 def _fsync_dir(folder: Path) -> None:
