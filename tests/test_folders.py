@@ -1,5 +1,5 @@
 """Run folders and token caches: one process at a time, their problems found before training starts,
-and a full disk during a save."""
+a full disk during a save, and resumes that never delete another timeline's checkpoints unannounced."""
 import errno
 import io
 import os
@@ -14,7 +14,7 @@ from conftest import REPO, run_env, tiny_config
 from data.folders import FolderLock, lock_holder
 from errors import UserError
 from training import distributed, loop
-from training.checkpoint import save_checkpoint
+from training.checkpoint import list_checkpoints, save_checkpoint
 from training.run_folder import claim_run_folder
 
 
@@ -196,3 +196,26 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
                                         r"\(0.2 MB free, the last one took 0.4 MB\)"):
         save_checkpoint(tmp_path, 2, {"step": 2, "model": {"w": torch.ones(100_000)}}, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000001.pt"]
+
+
+def test_resuming_another_folders_checkpoint_never_deletes_this_folders_newer_ones(tmp_path, data_cache):
+    cfg = tiny_config(data_cache, max_steps=4, ckpt_interval=2)
+    loop.train(cfg, tmp_path / "a")
+    cfg.trainer.max_steps = 10
+    loop.train(cfg, tmp_path / "b")
+    cfg.trainer.resume = str(tmp_path / "a" / "checkpoints" / "step_0000004.pt")
+    cfg.trainer.max_steps = 12
+    with pytest.raises(UserError, match=r"holds a newer checkpoint, .*b/checkpoints/step_0000010.pt, .*"
+                                        r"give another hydra.run.dir"):
+        loop.train(cfg, tmp_path / "b")
+    assert list_checkpoints(tmp_path / "b")[-1].name == "step_0000010.pt"
+
+
+def test_rolling_back_in_the_same_folder_says_which_checkpoints_it_replaces(tmp_path, data_cache, capsys):
+    cfg = tiny_config(data_cache, max_steps=6, ckpt_interval=2)
+    loop.train(cfg, tmp_path)
+    capsys.readouterr()
+    cfg.trainer.resume = str(tmp_path / "checkpoints" / "step_0000002.pt")
+    loop.train(cfg, tmp_path)
+    out = capsys.readouterr().out
+    assert "rolling back to step 2: step_0000004.pt, step_0000006.pt of this folder are replaced by this run's" in out

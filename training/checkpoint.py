@@ -311,6 +311,7 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
             return 0, None
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
+        check_newer(path, state["step"], run_dir, ranks.is_main)
     check_compatible(path, state, model.cfg)
     check_lineage(path, state, lineage, ranks.is_main)
     check_layout(path, state, ranks)
@@ -339,6 +340,22 @@ def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
                 f"resume with the same model and data settings, or start fresh with trainer.resume=none "
                 f"(or another hydra.run.dir)"
             )
+
+
+def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:
+    """``trainer.resume=<path>`` where the run folder holds checkpoints of later steps, which the saves of
+    this run would delete as an abandoned timeline: refused when ``path`` is another folder's checkpoint,
+    said when it is this folder's own (a roll-back)."""
+    newer = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
+    if not newer:
+        return
+    if path.resolve().parent != checkpoint_dir(run_dir).resolve():
+        raise UserError(f"trainer.resume={path}: the run folder {run_dir} holds a newer checkpoint, {newer[-1]}, "
+                        "which this run's saves would delete; give another hydra.run.dir for this run, continue "
+                        "that folder's own with trainer.resume=auto, or move its checkpoints away")
+    if is_main:
+        print(f"trainer.resume={path}: rolling back to step {step}: {', '.join(p.name for p in newer)} of this folder "
+              f"{'are' if len(newer) > 1 else 'is'} replaced by this run's checkpoints (removed at its first save)")
 
 
 def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool) -> None:
