@@ -44,7 +44,7 @@ class OutOfMemory(UserError):
 
 
 class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was saved."""
+    """SIGINT, SIGTERM or SIGHUP arrived; a checkpoint of the last finished step was saved."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)

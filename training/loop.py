@@ -77,7 +77,11 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
                 with run.meter.paused():
-                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype)
+                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype,
+                                        stop=lambda: distributed.any_rank(bool(stop.signum), run.ranks))
+                if val_loss is None:  # a signal cut the evaluation short: save now, not after it
+                    stopping = ckpt_due = True
+                else:
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
             if ckpt_due and not unsaveable:
                 with run.meter.paused():
