@@ -7,12 +7,20 @@ One record per log step: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mf
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from tqdm import tqdm
 
 from errors import UserError
 from training.config import LoggerConfig
+
+
+def read_records(path: Path) -> Tuple[List[dict], int]:
+    """The records of a metrics.jsonl and how many lines were skipped: cut short by a kill (a
+    SIGKILL in the middle of a write leaves half a line). Blank lines are ignored."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines if _step_of(line) is not None]
+    return records, len(lines) - len(records)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
