@@ -5,6 +5,7 @@ fix (train.py and the scripts catch it and exit with status 2); everything else 
 its traceback. This is the bottom layer: kernels/, data/, model/ and training/ may all import it,
 and it imports nothing of theirs.
 """
+import math
 from typing import Iterable
 
 
@@ -19,7 +20,14 @@ def check_choice(option: str, value, choices: Iterable[str]) -> None:
         raise UserError(f"{option}={value!r} is not one of {', '.join(choices)}")
 
 
+def check_finite(option: str, value) -> None:
+    """A float ``option=value`` must be a number: NaN and infinity are refused (``value < 0`` is false for NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{option}={value} is not a finite number; give a value such as 0.1")
+
+
 def check_positive(option: str, value, allow_zero: bool = False, kind: str = "number") -> None:
-    """``option=value`` must be > 0 (or >= 0 with ``allow_zero``); ``kind`` names it in the message."""
+    """``option=value`` must be finite and > 0 (or >= 0 with ``allow_zero``); ``kind`` names it in the message."""
+    check_finite(option, value)
     if value < 0 or (value == 0 and not allow_zero):
         raise UserError(f"{option}={value} must be {'>= 0' if allow_zero else f'a positive {kind}'}")

@@ -18,13 +18,32 @@ FORMAT = 2
 BIN_FULL_CHECKSUM_LIMIT = 64 * 2**20  # bins up to this size are hashed whole
 BIN_SAMPLES = 64  # larger bins: this many 1 MiB blocks, evenly spaced, the first and the last included
 SAMPLE_BYTES = 2**20
+# The shape of a manifest: key -> type of its value ("tokens" and "bins" hold one entry per split).
+SHAPE = {"format": int, "spec": dict, "tokenizer": str, "vocab_size": int, "dtype": str, "tokens": dict,
+         "documents": dict, "source": dict, "bins": dict}
 
 
-def read_manifest(folder: Path) -> Optional[dict]:
-    try:
-        return json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
+def read_manifest(folder: Path):
+    """The parsed manifest.json of ``folder``, None when there is none, or the text "not JSON"."""
+    path = folder / "manifest.json"
+    if not path.is_file():
         return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "not JSON"
+
+
+def damage(manifest) -> str:
+    """Why a manifest as ``read_manifest`` gives it cannot be one of ours; empty when it has our shape."""
+    if isinstance(manifest, str):
+        return manifest
+    if not (isinstance(manifest, dict) and all(isinstance(manifest.get(k), kind) for k, kind in SHAPE.items())):
+        return "not a cache manifest"
+    splits_ok = all(isinstance(manifest["tokens"].get(split), int) and isinstance(manifest["bins"].get(split), str)
+                    for split in ("train", "val"))
+    chars_ok = manifest["tokenizer"] != "char" or isinstance(manifest.get("chars"), str)
+    return "" if splits_ok and chars_ok and "eot_id" in manifest else "not a cache manifest"
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
@@ -69,13 +88,16 @@ def source_records(files: Sequence[Path], previous: Sequence[dict] = ()) -> List
     return records
 
 
-def stale_reason(manifest: Optional[dict], spec: dict, folder: Path, files: Optional[Sequence[Path]]) -> str:
+def stale_reason(manifest, spec: dict, folder: Path, files: Optional[Sequence[Path]]) -> str:
     """Why the cache in ``folder`` cannot be used as it is; empty when it can.
 
-    ``files`` are the local source files (None for a hub dataset, which is identified by the spec).
+    ``manifest`` is what ``read_manifest`` gave; ``files`` are the local source files (None for a hub
+    dataset, which is identified by the spec).
     """
     if manifest is None:
         return "no cache yet"
+    if damage(manifest):
+        return f"manifest.json is damaged ({damage(manifest)})"
     if manifest.get("format") != FORMAT or manifest.get("spec") != spec:
         return "the cache was made with other settings"
     if files is not None:

@@ -5,12 +5,16 @@ whose manifest no longer matches (settings, source bytes, bin sizes or checksums
 data/manifest.py) is rebuilt, saying why. Bins are written under temporary names and renamed, the
 manifest last, so a killed preparation leaves no valid-looking cache.
 
+One process at a time prepares a cache: the others wait for its lock (data/folders.py), then find
+the cache it made and reuse it.
+
 Documents: gpt2 puts the end-of-text token (50256) after every document when the corpus has more
 than one; the char tokenizer has none and concatenates them.
 Validation split, without shuffling: a corpus of one document (Tiny Shakespeare) is cut at
 (1 - data.val_fraction) of its characters; otherwise the last round(n * val_fraction) documents
 (at least one, at most n - 1) are the validation split.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -24,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.config import DataConfig, validate
+from data.folders import FolderLock, holder_text, lock_holder, make_folder
 from data.manifest import FORMAT, bin_checksum, read_manifest, source_records, stale_reason, write_manifest
 from data.sources import is_glob, load_hf_dataset, local_files, read_text_documents
 from data.tokenizers import CharTokenizer, GPT2Tokenizer, Tokenizer
@@ -70,14 +75,37 @@ def prepare(cfg: DataConfig) -> PreparedData:
     """Tokenize the source ``cfg`` names into its cache folder, unless a valid cache is there already."""
     validate(cfg)
     spec = source_spec(cfg)
-    folder = Path(cfg.cache_dir).expanduser() / f"{cfg.name}-{cfg.tokenizer}-{short_hash(spec)}"
+    folder = cache_folder(cfg)
     files = local_files(cfg)
     manifest = read_manifest(folder)
     reason = stale_reason(manifest, spec, folder, files)
     if reason:
-        print(f"data: tokenizing {describe(cfg)} into {folder} ({reason})", flush=True)
-        manifest = build(cfg, spec, folder, files)
+        with locked_cache(folder, cfg.cache_dir):
+            manifest = read_manifest(folder)  # another process may have made it while this one waited
+            reason = stale_reason(manifest, spec, folder, files)
+            if reason:
+                print(f"data: tokenizing {describe(cfg)} into {folder} ({reason})", flush=True)
+                manifest = build(cfg, spec, folder, files)
     return prepared(folder, manifest, rebuilt=bool(reason))
+
+
+def cache_folder(cfg: DataConfig) -> Path:
+    """<data.cache_dir>/<data.name>-<tokenizer>-<hash of the source settings>."""
+    return Path(cfg.cache_dir).expanduser() / f"{cfg.name}-{cfg.tokenizer}-{short_hash(source_spec(cfg))}"
+
+
+@contextlib.contextmanager
+def locked_cache(folder: Path, cache_dir: str):
+    """Hold ``folder``'s lock (creating the folder), waiting while another process prepares it."""
+    make_folder(folder, "data.cache_dir", cache_dir)
+    lock = FolderLock(folder)
+    if not lock.try_acquire():
+        print(f"data: waiting for {holder_text(lock_holder(folder))}, which is preparing {folder}", flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def describe(cfg: DataConfig) -> str:
@@ -106,9 +134,18 @@ def prepared(folder: Path, manifest: dict, rebuilt: bool) -> PreparedData:
                         manifest=manifest, rebuilt=rebuilt)
 
 
+def corpus_identity(manifest: dict) -> dict:
+    """What a checkpoint records of the text it was trained on: {"digest", "described"}. The digest
+    covers the source's contents (file hashes, or the hub dataset's fingerprint) and its settings,
+    not its path: a corpus moved elsewhere is the same corpus."""
+    spec = manifest["spec"]
+    source = dict(manifest["source"], files=[record["sha256"] for record in manifest["source"].get("files", [])])
+    digest = short_hash({"spec": {k: v for k, v in spec.items() if k != "path"}, "source": source})
+    return {"digest": digest, "described": f"data.path={spec['path']}" if spec["path"] else "the embedded Tiny Shakespeare"}
+
+
 def build(cfg: DataConfig, spec: dict, folder: Path, files: Optional[List[Path]]) -> dict:
-    """Tokenize the source into ``folder``: both bins, then the manifest. Returns the manifest."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Tokenize the source into ``folder`` (which exists): both bins, then the manifest. Returns the manifest."""
     (folder / "manifest.json").unlink(missing_ok=True)
     if cfg.source == "text":
         tokenizer, streams, documents = tokenize_text(cfg, files)

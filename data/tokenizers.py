@@ -1,7 +1,8 @@
 """Tokenizers: GPT-2 BPE through tiktoken, offline, and a character-level one.
 
 Both offer ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``encode_batch(texts, num_threads)``,
-``vocab_size``, ``eot_id`` (None for char) and ``name``.
+``vocab_size``, ``eot_id`` (None for char), ``name`` and ``identity``: a small dict that rebuilds the
+tokenizer (``load_tokenizer``) and tells it from any other, which checkpoints carry.
 
 The GPT-2 vocabulary files ship in data/gpt2/ (byte-identical to the ones tiktoken downloads; the
 sha256 of each is checked), so no network is needed. The char vocabulary is the sorted set of the
@@ -17,6 +18,7 @@ import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from data.config import TOKENIZERS
+from errors import UserError
 
 GPT2_DIR = Path(__file__).resolve().parent / "gpt2"
 GPT2_FILES = {
@@ -26,6 +28,7 @@ GPT2_FILES = {
 # GPT-2's pre-tokenization pattern (tiktoken's r50k/gpt2 definition).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = "<|endoftext|>"
+GPT2_FILES_SHA256 = hashlib.sha256("".join(sorted(GPT2_FILES.values())).encode()).hexdigest()  # one digest of both
 
 
 @lru_cache(maxsize=1)
@@ -43,6 +46,7 @@ class GPT2Tokenizer:
     name = "gpt2"
     vocab_size = 50257
     eot_id: Optional[int] = 50256
+    identity = {"tokenizer": "gpt2", "files_sha256": GPT2_FILES_SHA256}
 
     def encode(self, text: str, allow_eot: bool = False) -> List[int]:
         """A literal "<|endoftext|>" is plain text (several tokens) unless ``allow_eot``: then it is 50256."""
@@ -69,6 +73,10 @@ class CharTokenizer:
         self.vocab_size = len(chars)
         self.index = {c: i for i, c in enumerate(chars)}
 
+    @property
+    def identity(self) -> dict:
+        return {"tokenizer": "char", "chars": self.chars}
+
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
         return cls("".join(sorted(set(text))))
@@ -90,14 +98,17 @@ Tokenizer = Union[GPT2Tokenizer, CharTokenizer]
 
 
 def load_tokenizer(manifest_or_name: Union[dict, str]) -> Tokenizer:
-    """The tokenizer of a token cache (its manifest dict), or "gpt2" by name.
+    """The tokenizer of a token cache (its manifest dict), of a checkpoint (its ``identity``), or "gpt2" by name.
 
-    "char" needs the manifest: its vocabulary comes from the corpus.
+    "char" needs the manifest or identity: its vocabulary comes from the corpus.
     """
     if isinstance(manifest_or_name, dict):
         name = manifest_or_name["tokenizer"]
         if name == "char":
             return CharTokenizer(manifest_or_name["chars"])
+        if manifest_or_name.get("files_sha256", GPT2_FILES_SHA256) != GPT2_FILES_SHA256:
+            raise UserError(f"the tokenizer was made from other GPT-2 BPE files (sha256 {manifest_or_name['files_sha256'][:12]}) "
+                            f"than those in {GPT2_DIR} ({GPT2_FILES_SHA256[:12]}); use the repository version it was made with")
     else:
         name = manifest_or_name
     if name == "gpt2":
@@ -105,3 +116,10 @@ def load_tokenizer(manifest_or_name: Union[dict, str]) -> Tokenizer:
     if name == "char":
         raise ValueError("the char tokenizer's vocabulary lives in a token cache: pass its manifest")
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+
+
+def describe_tokenizer(identity: dict) -> str:
+    """A tokenizer's ``identity`` in words: "the char tokenizer (65 characters)", "the gpt2 tokenizer (...)"."""
+    if identity["tokenizer"] == "char":
+        return f"the char tokenizer ({len(identity['chars'])} characters)"
+    return f"the gpt2 tokenizer (BPE files sha256 {identity['files_sha256'][:12]})"

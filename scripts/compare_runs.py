@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from omegaconf import OmegaConf  # noqa: E402
 
 from training.cli import fail  # noqa: E402
+from training.loggers import read_records  # noqa: E402
 
 COLUMNS = ("run", "backend", "model", "tokens_per_s", "mfu", "peak_vram_mb", "train_loss", "val_loss", "wall_s", "steps")
 HEADINGS = ("run", "backend", "model", "tokens/s", "MFU", "peak VRAM (MB)", "final train loss", "final val loss",
@@ -51,7 +52,10 @@ def find_runs(paths):
 
 
 def load_run(folder: Path, name: str) -> dict:
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records, skipped = read_records(folder / "metrics.jsonl")
+    if skipped:
+        print(f"note: {folder / 'metrics.jsonl'}: skipped {skipped} line{'s' if skipped > 1 else ''} cut short "
+              "(a run killed while writing it)", file=sys.stderr)
     train = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("val_loss") is not None]
     cfg = OmegaConf.load(folder / "config.yaml") if (folder / "config.yaml").is_file() else OmegaConf.create()

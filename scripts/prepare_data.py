@@ -29,6 +29,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])
-    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+             "~hydra.callbacks.run_folder"]  # no run folder: nothing is written to the current one
     sys.argv[1:] = add_overrides(sys.argv[1:], quiet)
     main()

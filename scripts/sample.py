@@ -6,7 +6,8 @@
 
 A run folder means its best checkpoint (checkpoints/best.pt, kept with trainer.keep_best=true) when
 it has one, else its newest; the checkpoint used is named on stderr. The tokenizer comes from the
-data settings saved in the checkpoint (the token cache is rebuilt if it is missing).
+checkpoint itself, so it samples from any folder without the corpus or its token cache (a checkpoint
+made before checkpoints carried their tokenizer rebuilds it from the data settings saved in it).
 """
 import argparse
 import sys
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 from data.config import DataConfig  # noqa: E402
 from data.prepare import prepare  # noqa: E402
 from data.tokenizers import load_tokenizer  # noqa: E402
-from errors import UserError  # noqa: E402
+from errors import UserError, check_finite, check_positive  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
@@ -42,6 +43,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    for option, value in (("--samples", args.samples), ("--top-k", args.top_k)):
+        check_positive(option, value, kind="integer")
+    check_positive("--tokens", args.tokens, allow_zero=True)
+    check_finite("--temperature", args.temperature)
+
+
+def checkpoint_tokenizer(state: dict):
+    """The tokenizer a checkpoint carries, or for an older one that of the data settings saved in it."""
+    if "tokenizer" in state:
+        return load_tokenizer(state["tokenizer"])
+    return load_tokenizer(prepare(DataConfig(**state["config"]["data"])).manifest)
+
+
+def encode_prompt(tokenizer, prompt: str) -> list:
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError as err:  # the char tokenizer knows only its corpus' characters
+        missing = next(c for c in prompt if c not in tokenizer.index)
+        raise UserError(f"--prompt has the character {missing!r}, which the char vocabulary of this checkpoint lacks; "
+                        f"use only these: {tokenizer.chars!r}") from err
+    if not ids:
+        raise UserError("--prompt encodes to no tokens; give some text")
+    return ids
+
+
 def load_state(path: Path):
     """(checkpoint path, its state): the checkpoint named, or of a run folder its best.pt when it has
     one, else its newest checkpoint."""
@@ -62,21 +89,20 @@ def describe(path: Path, state: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_args(args)
     path, state = load_state(Path(args.checkpoint))
     print(describe(path, state), file=sys.stderr)
     config = state["config"]
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)
-    tokenizer = load_tokenizer(prepare(DataConfig(**config["data"])).manifest)
+    tokenizer = checkpoint_tokenizer(state)
     model_cfg = ModelConfig(**config["model"])
     model_cfg.vocab_size = saved_vocab_size(state)
     model_cfg.dropout = 0.0
     attend, _ = build_attention(AttentionConfig(name="sdpa", window=config["attention"].get("window")), device)
     model = GPT(model_cfg, attend).to(device).eval()
     load_into_plain_model(path, state, model)
-    prompt = tokenizer.encode(args.prompt)
-    if not prompt:
-        raise UserError("--prompt encodes to no tokens; give some text")
+    prompt = encode_prompt(tokenizer, args.prompt)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     idx = torch.tensor([prompt] * args.samples, dtype=torch.long, device=device)
     with autocast(device, dtype):

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import run_train, tiny_config
+from conftest import REPO, run_train, tiny_config
 from errors import UserError
 from training import loop
 
@@ -77,6 +77,11 @@ def test_model_vocab_smaller_than_the_tokenizer(tmp_path, data_cache):
 
 
 MORE_CLI_CASES = [
+    pytest.param(lambda t: ["optim.lr=nan"], "optim.lr=nan is not a finite number", id="nan-lr"),
+    pytest.param(lambda t: ["optim.eps=-1"], "optim.eps=-1.0 must be a positive number", id="negative-eps"),
+    pytest.param(lambda t: ["trainer.seed=-1"], "trainer.seed=-1 must be >= 0", id="negative-seed"),
+    pytest.param(lambda t: ["~model.n_layer"], "options of the schema cannot be removed", id="delete-a-schema-key"),
+    pytest.param(lambda t: [f"data.cache_dir={corpus(t, b'')}"], "corpus.txt is a file, not a folder", id="cache-dir-is-a-file"),
     pytest.param(lambda t: ["trainer.run_name=${eval:1+1}"], "'eval' is not a config resolver", id="unknown-resolver"),
     pytest.param(lambda t: ["trainer.run_name=\\${eval:1}"], "a literal '${' cannot be kept", id="escaped-interpolation"),
     pytest.param(lambda t: ["trainer.run_name=${oc.env:NANOFLASH_UNSET_VARIABLE}"], "Environment variable 'NANOFLASH_UNSET_VARIABLE' not found", id="missing-env-var"),
@@ -110,6 +115,10 @@ OVERRIDE_CASES = [  # checked before Hydra runs: in-process, no subprocess neede
     pytest.param(["logger=tensorboard"], "logger=tensorboard is not a config; choose one of: default, wandb", id="unknown-logger"),
     pytest.param(["-m", "attention=naive,flsh"], "attention=flsh is not a config", id="unknown-choice-in-a-sweep"),
     pytest.param(["+trainer.lr=1"], "trainer has no key 'lr'", id="appended-unknown-key"),
+    pytest.param(["~model.n_layer"], "~model.n_layer: options of the schema cannot be removed; set a value instead", id="delete-a-schema-key"),
+    pytest.param(["-m", "trainer.max_steps=3,abc"], "trainer.max_steps=abc has the wrong type: it takes an integer", id="int-sweep-given-text"),
+    pytest.param(["-m", "optim.lr=1e-3,fast"], "optim.lr=fast has the wrong type: it takes a number", id="float-sweep-given-text"),
+    pytest.param(["-m", "trainer.compile=range(0,2)"], "trainer.compile=0 has the wrong type: it takes true or false", id="bool-sweep-given-range"),
 ]
 
 
@@ -145,6 +154,10 @@ VALIDATION_CASES = [  # values the schema accepts but validate() must reject
     pytest.param("data", "max_docs", 0, "data.max_docs=0 must be positive", id="zero-docs"),
     pytest.param("data", "source", "s3", "data.source='s3' is not one of text, hf", id="unknown-source"),
     pytest.param("logger", "mode", "loud", "logger.mode='loud' is not one of online, offline, disabled", id="wandb-mode"),
+    pytest.param("optim", "lr", float("nan"), "optim.lr=nan is not a finite number", id="nan-lr"),
+    pytest.param("optim", "eps", -1.0, "optim.eps=-1.0 must be a positive number", id="negative-eps"),
+    pytest.param("trainer", "seed", -1, "trainer.seed=-1 must be >= 0", id="negative-seed"),
+    pytest.param("trainer", "seed", 2**64, f"trainer.seed={2**64} must be below 2**64", id="huge-seed"),
 ]
 
 
@@ -183,3 +196,53 @@ def test_a_folder_without_text_files(tmp_path, data_cache):
     cfg.path = str(tmp_path / "corpus")
     with pytest.raises(UserError, match="holds no .txt/.text/.md files"):
         prepare(cfg)
+
+
+def test_deleting_a_group_choice_is_still_allowed(capsys):
+    from training.cli import check_overrides
+
+    check_overrides(["~local", "~experiment"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory, data_cache):
+    """A finished two-step run of the char model, its checkpoint and metrics."""
+    run_dir = tmp_path_factory.mktemp("char-run")
+    loop.train(tiny_config(data_cache, max_steps=2, ckpt_interval=2, log_interval=1), run_dir)
+    return run_dir
+
+
+def script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SAMPLE_CASES = [
+    pytest.param(["--prompt", "caf\u00e9"], "--prompt has the character '\u00e9', which the char vocabulary of this checkpoint lacks", id="prompt-outside-the-vocabulary"),
+    pytest.param(["--samples", "0"], "--samples=0 must be a positive integer", id="zero-samples"),
+    pytest.param(["--top-k", "0"], "--top-k=0 must be a positive integer", id="zero-top-k"),
+    pytest.param(["--tokens", "-5"], "--tokens=-5 must be >= 0", id="negative-tokens"),
+    pytest.param(["--temperature", "nan"], "--temperature=nan is not a finite number", id="nan-temperature"),
+]
+
+
+@pytest.mark.parametrize("args,message", SAMPLE_CASES)
+def test_sample_script_wrong_inputs_are_one_line(char_run, args, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        script("sample").main([str(char_run), "--device", "cpu", "--tokens", "3", *args])
+
+
+def test_compare_runs_skips_a_half_written_last_line_with_a_note(char_run, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "killed"
+    shutil.copytree(char_run, run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 2.4')  # what a SIGKILL in the middle of a write leaves
+    script("compare_runs").main([str(run_dir)])
+    out, err = capsys.readouterr()
+    assert "| killed |" in out and "| 2 |" in out
+    assert err.strip() == f"note: {run_dir / 'metrics.jsonl'}: skipped 1 line cut short (a run killed while writing it)"

@@ -368,3 +368,21 @@ def test_loader_rejects_a_block_longer_than_the_data(tmp_path):
     path = make_bin(tmp_path, range(10))
     with pytest.raises(UserError, match=r"10 tokens.*model.block_size"):
         BatchLoader(path, "uint16", block_size=64, batch_size=1, seed=0, device="cpu")
+
+
+@pytest.mark.parametrize("damaged,why", [
+    (lambda m: "[]", "not a cache manifest"),
+    (lambda m: json.dumps({k: v for k, v in m.items() if k != "bins"}), "not a cache manifest"),
+    (lambda m: json.dumps({**m, "tokens": [1, 2]}), "not a cache manifest"),
+    (lambda m: '{"format": 2}', "not a cache manifest"),
+    (lambda m: "{not json", "not JSON"),
+], ids=["a-list", "without-bins", "tokens-a-list", "only-format", "not-json"])
+def test_a_damaged_manifest_is_rebuilt_saying_why(tmp_path, capsys, damaged, why):
+    """Valid JSON of the wrong shape once gave a traceback on every run until deleted by hand."""
+    cfg = DataConfig(name="m", tokenizer="char", cache_dir=str(tmp_path / "cache"))
+    first = prepare(cfg)
+    (first.dir / "manifest.json").write_text(damaged(first.manifest))
+    capsys.readouterr()
+    again = prepare(cfg)
+    assert f"manifest.json is damaged ({why})" in capsys.readouterr().out
+    assert again.rebuilt and again.manifest == first.manifest

@@ -18,7 +18,7 @@ def scripted_evaluations(monkeypatch, val_losses):
     """Each evaluation of the loop returns the next of ``val_losses``; the list of those used."""
     remaining = list(val_losses)
     used = []
-    monkeypatch.setattr(loop, "evaluate", lambda *args: used.append(remaining.pop(0)) or used[-1])
+    monkeypatch.setattr(loop, "evaluate", lambda *args, **kwargs: used.append(remaining.pop(0)) or used[-1])
     return used
 
 
@@ -59,7 +59,7 @@ def test_best_is_never_pruned_and_not_written_without_keep_best(tmp_path, run):
 
 
 def test_a_non_finite_validation_loss_is_never_the_best(tmp_path):
-    checkpointer = Checkpointer(tmp_path, 1, None, None, None, None, torch.device("cpu"), {}, None, keep_best=True)
+    checkpointer = Checkpointer(tmp_path, 1, None, None, None, None, torch.device("cpu"), {}, None, {}, keep_best=True)
     for val_loss in (float("nan"), float("inf")):
         assert checkpointer.save_if_best(10, val_loss, {}) is None
     assert checkpointer.best_val_loss is None and not best_checkpoint(tmp_path).exists()

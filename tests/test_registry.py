@@ -105,3 +105,22 @@ def test_flash_says_why_an_old_gpu_cannot_run_it(monkeypatch, capability, runs):
     assert (reason == "") == runs
     if not runs:
         assert reason == "triton 3.6.0 does not compile for compute capability 7.5 (Turing and older; it needs 8.0, Ampere, or newer)"
+
+
+def test_an_old_gpu_runs_sdpa_and_says_why_up_front(monkeypatch):
+    """On compute capability 7.5 (T4, RTX 20xx) attention=flash warns with the reason and runs sdpa;
+    attention.strict=true refuses with the same reason."""
+    import triton
+
+    import kernels
+
+    monkeypatch.setattr(kernels, "flash_attn_available", lambda: (True, "a GPU"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    gpu = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match=r"attention=flash cannot run \(triton 3.6.0 does not compile for compute "
+                                         r"capability 7.5 .*\); using attention=sdpa instead"):
+        attend, ran = build_attention(AttentionConfig(name="flash"), gpu)
+    assert ran == "sdpa" and attend.name == "sdpa"
+    with pytest.raises(UserError, match="attention=flash cannot run: triton 3.6.0 does not compile for compute capability 7.5"):
+        build_attention(AttentionConfig(name="flash", strict=True), gpu)

@@ -15,9 +15,12 @@ writes its shards of the model and optimizer with ``torch.distributed.checkpoint
 adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
 FSDP with any number of ranks.
 
-A run saves through its ``Checkpointer`` and starts with ``restore`` (``trainer.resume``), which
-refuses a checkpoint of another model shape or layout.
+A run saves through its ``Checkpointer``, which writes nothing unless the weights and optimizer
+state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``),
+which refuses a checkpoint of another model shape or layout or of another tokenizer (a checkpoint
+carries its tokenizer and the identity of its corpus; a changed corpus is resumed, and said so).
 """
+import errno
 import math
 import os
 import re
@@ -30,10 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
+from data.tokenizers import describe_tokenizer
 from errors import UserError
 from model.config import ModelConfig
 from training import distributed
+from training.errors import NonFiniteState
 from training.optim import plain_state_dict
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
@@ -45,6 +51,10 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_s
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(NAME.match(checkpoint.name).group(1))
 
 
 def list_checkpoints(run_dir: Path) -> List[Path]:
@@ -63,7 +73,7 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int) -> Path:
     point leaves either the old set of checkpoints or the new one, never a half-written file under
     a checkpoint's name.
     """
-    final = _write_atomically(checkpoint_dir(run_dir), f"step_{step:07d}.pt", state)
+    final = _write_atomically(run_dir, f"step_{step:07d}.pt", state, step)
     prune(run_dir, step, keep)
     return final
 
@@ -73,12 +83,15 @@ def best_checkpoint(run_dir: Path) -> Path:
     return checkpoint_dir(run_dir) / BEST
 
 
-def _write_atomically(folder: Path, name: str, state: dict) -> Path:
-    """``state`` as ``folder / name``, through a temporary file flushed to disk and then renamed, so a
-    crash at any point leaves the old file or the new one, never a half-written file under the name."""
+def _write_atomically(run_dir: Path, name: str, state: dict, step: int) -> Path:
+    """``state`` (of ``step``) as ``name`` in the run's checkpoint folder, through a temporary file
+    flushed to disk and then renamed, so a crash at any point leaves the old file or the new one, never
+    a half-written file under the name; refused in one line when the disk lacks the room."""
+    folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final, tmp = folder / name, folder / f".{name}.tmp"
-    _write_synced(tmp, state)
+    check_space(run_dir, step)
+    _write_synced(tmp, state, step)
     os.replace(tmp, final)
     _fsync_dir(folder)
     return final
@@ -101,7 +114,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     distributed.barrier()
     if is_main:
-        _write_synced(tmp / META, meta)
+        _write_synced(tmp / META, meta, step)
         remove_checkpoint(final)
         os.replace(tmp, final)
         _fsync_dir(folder)
@@ -140,7 +153,7 @@ def prune(run_dir: Path, step: int, keep: int) -> None:
     Newer ones belong to an abandoned timeline (a damaged newest one was skipped, or an older one
     was resumed by name): they would outrank this save, and pruning could delete it.
     """
-    kept = [p for p in list_checkpoints(run_dir) if int(NAME.match(p.name).group(1)) <= step]
+    kept = [p for p in list_checkpoints(run_dir) if step_of(p) <= step]
     for old in set(list_checkpoints(run_dir)) - set(kept[-keep:]):
         remove_checkpoint(old)
 
@@ -152,11 +165,45 @@ def remove_checkpoint(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_synced(path: Path, state: dict) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_synced(path: Path, state: dict, step: int) -> None:
+    """Write ``state`` to ``path`` and flush it to disk; on any failure remove what was written, and
+    say a full disk in one line (torch's zip writer reports it as "unexpected pos")."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as err:
+        path.unlink(missing_ok=True)
+        if out_of_space(err):
+            raise UserError(no_space(path.parent, step)) from err
+        raise
+
+
+def check_space(run_dir: Path, step: int) -> None:
+    """Refuse to start writing when the disk has less room than the last checkpoint took."""
+    last = [p for p in list_checkpoints(run_dir) if p.is_file()]
+    if not last:
+        return
+    needed, free = last[-1].stat().st_size, shutil.disk_usage(checkpoint_dir(run_dir)).free
+    if free < needed:
+        raise UserError(no_space(checkpoint_dir(run_dir), step, f" ({free / 1e6:.1f} MB free, the last one took "
+                                                                 f"{needed / 1e6:.1f} MB)"))
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether a disk or quota that is full caused ``err`` (anywhere in its chain)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def no_space(folder: Path, step: int, detail: str = "") -> str:
+    return (f"no space left on {folder}: the checkpoint of step {step} was not written{detail}; the previous "
+            "checkpoints are kept. Free some space (or lower trainer.keep_checkpoints), then start the same command "
+            "again to resume")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -221,20 +268,34 @@ def restore_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def state_is_finite(model, optimizer) -> bool:
+    """Whether every weight and optimizer-state tensor (this rank's shards) is finite: one fused
+    max-abs reduction on the device over all of them, one sync."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *state)]
+    largest = torch._foreach_norm([t for t in tensors if t.is_floating_point() and t.numel()], ord=float("inf"))
+    return bool(torch.stack([m.float() for m in largest]).isfinite().all())
+
+
 class Checkpointer:
-    """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config and
-    wandb id. Whole-model files come from rank 0; under FSDP every rank writes its shards."""
+    """What a run saves: model, optimizer, grad scaler, the loader position, RNG state, config, wandb
+    id, and its ``lineage``: the tokenizer's identity and the corpus' (data/prepare.py). Whole-model
+    files come from rank 0; under FSDP every rank writes its shards."""
 
     def __init__(self, run_dir: Path, keep: int, model, optimizer, scaler, ranks: distributed.Ranks,
-                 device: torch.device, config: dict, wandb_id: Optional[str],
+                 device: torch.device, config: dict, wandb_id: Optional[str], lineage: dict,
                  best_val_loss: Optional[float] = None, keep_best: bool = False):
         self.run_dir, self.keep, self.ranks, self.device = run_dir, keep, ranks, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.config, self.wandb_id = config, wandb_id
+        self.config, self.wandb_id, self.lineage = config, wandb_id, lineage
         self.best_val_loss, self.keep_best = best_val_loss, keep_best  # the lowest validation loss so far
 
     def save(self, step: int, loader_state: dict, rng: Optional[dict] = None) -> Optional[Path]:
-        """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing."""
+        """Save ``step`` (RNG state ``rng``, default now); the path written, None on ranks that write nothing.
+        NonFiniteState, on every rank, when a weight or optimizer-state value is not finite."""
+        bad = not state_is_finite(self.model, self.optimizer)  # DDP ranks hold the same values: the same answer
+        if distributed.any_rank(bad, self.ranks) if self.ranks.sharded else bad:
+            raise NonFiniteState(step)
         if not (self.ranks.is_main or self.ranks.sharded):
             return None  # a whole-model checkpoint is rank 0's alone
         state = self._meta(step, loader_state, rng)
@@ -254,7 +315,7 @@ class Checkpointer:
             return None
         state = self._meta(step, loader_state, None)
         state.update(model=self.model.state_dict(), optimizer=plain_state_dict(self.optimizer), val_loss=val_loss)
-        return _write_atomically(checkpoint_dir(self.run_dir), BEST, state)
+        return _write_atomically(self.run_dir, BEST, state, step)
 
     def _meta(self, step: int, loader_state: dict, rng: Optional[dict]) -> dict:
         """Everything a checkpoint holds besides the model and optimizer."""
@@ -267,14 +328,14 @@ class Checkpointer:
             "config": self.config,
             "wandb_id": self.wandb_id,
             "best_val_loss": self.best_val_loss,
+            **self.lineage,
         }
 
 
 def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device: torch.device,
-            ranks: distributed.Ranks) -> Tuple[int, Optional[str], Optional[float]]:
-    """Load the checkpoint ``trainer.resume`` names into the run.
-
-    Returns (step reached, wandb id, best validation loss so far)."""
+            ranks: distributed.Ranks, lineage: dict) -> Tuple[int, Optional[str], Optional[float]]:
+    """Load the checkpoint ``trainer.resume`` names into the run, whose data has ``lineage`` (the
+    tokenizer's and the corpus' identity). Returns (step reached, wandb id, best validation loss so far)."""
     if resume == "none":
         best = best_checkpoint(run_dir)
         old = list_checkpoints(run_dir) + ([best] if best.is_file() else []) if ranks.is_main else []
@@ -290,7 +351,9 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
             return 0, None, None
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
+        check_newer(path, state["step"], run_dir, ranks.is_main)
     check_compatible(path, state, model.cfg)
+    check_lineage(path, state, lineage, ranks.is_main)
     check_layout(path, state, ranks)
     if state["sharded"]:
         load_sharded_checkpoint(path, model, optimizer)
@@ -317,6 +380,40 @@ def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
                 f"resume with the same model and data settings, or start fresh with trainer.resume=none "
                 f"(or another hydra.run.dir)"
             )
+
+
+def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:
+    """``trainer.resume=<path>`` where the run folder holds checkpoints of later steps, which the saves of
+    this run would delete as an abandoned timeline: refused when ``path`` is another folder's checkpoint,
+    said when it is this folder's own (a roll-back)."""
+    newer = [p for p in list_checkpoints(run_dir) if step_of(p) > step]
+    if not newer:
+        return
+    if path.resolve().parent != checkpoint_dir(run_dir).resolve():
+        raise UserError(f"trainer.resume={path}: the run folder {run_dir} holds a newer checkpoint, {newer[-1]}, "
+                        "which this run's saves would delete; give another hydra.run.dir for this run, continue "
+                        "that folder's own with trainer.resume=auto, or move its checkpoints away")
+    if is_main:
+        print(f"trainer.resume={path}: rolling back to step {step}: {', '.join(p.name for p in newer)} of this folder "
+              f"{'are' if len(newer) > 1 else 'is'} replaced by this run's checkpoints (removed at its first save)")
+
+
+def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool) -> None:
+    """A checkpoint resumes only with the tokenizer it was trained with (token ids must keep their
+    meaning); on another corpus it resumes, fine-tuning, and says so once (its own checkpoints then
+    carry the new corpus). Checkpoints that carry no tokenizer were made before it was recorded."""
+    if "tokenizer" not in state:
+        return
+    theirs, mine = describe_tokenizer(state["tokenizer"]), describe_tokenizer(lineage["tokenizer"])
+    if state["tokenizer"] != lineage["tokenizer"]:
+        mine = mine if mine != theirs else f"{mine[:-1]}, a different set)"
+        raise UserError(f"checkpoint {path} was trained with {theirs} but this run's data gives {mine}: its token ids "
+                        f"would mean other text. Resume it with the data it was trained on "
+                        f"({state['corpus']['described']}), or start fresh with trainer.resume=none (or another "
+                        "hydra.run.dir)")
+    if state["corpus"]["digest"] != lineage["corpus"]["digest"] and is_main:
+        print(f"note: checkpoint {path} was trained on {state['corpus']['described']}; this run continues it on "
+              f"{lineage['corpus']['described']} (the same tokenizer)")
 
 
 def check_layout(path: Path, state: dict, ranks: distributed.Ranks) -> None:

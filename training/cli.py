@@ -21,6 +21,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -75,15 +76,29 @@ def check_overrides(argv: List[str]) -> None:
     overrides = parse_overrides(args.overrides)
     for override in overrides:
         key = override.key_or_group
-        if key.startswith("hydra") or override.is_delete():
+        if key.startswith("hydra"):
             continue
         if "." not in key and key in GROUPS:
-            _check_choice(key, override, dirs)
-        else:
-            field = _check_key(key)
-            if field is not None and not override.is_sweep_override():
-                _check_type(key, field, override.value())
+            if not override.is_delete():
+                _check_choice(key, override, dirs)
+            continue
+        field = _check_key(key)
+        if field is None:
+            continue
+        if override.is_delete():
+            fail(f"~{key}: options of the schema cannot be removed; set a value instead, e.g. {key}=<value>")
+        for value in sweep_values(override) if override.is_sweep_override() else [override.value()]:
+            _check_type(key, field, value)
     _check_local_file(overrides, dirs)
+
+
+def sweep_values(override) -> list:
+    """The values a choice or range sweep takes (-m key=a,b,c); none for an interval, which only a
+    sweeper plugin samples (and which is numeric by its grammar)."""
+    try:
+        return list(override.sweep_iterator())
+    except HydraException:
+        return []
 
 
 def parse_overrides(overrides: List[str]):

@@ -104,6 +104,7 @@ def validate(cfg: TrainConfig) -> None:
     check_positive("optim.min_lr", o.min_lr, allow_zero=True)
     check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     check_positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    check_positive("optim.eps", o.eps)
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise UserError(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
     if not 0.0 < o.decay_fraction <= 1.0:
@@ -126,6 +127,9 @@ def validate(cfg: TrainConfig) -> None:
     check_positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
     check_positive("trainer.sample_tokens", t.sample_tokens, allow_zero=True)
     check_positive("trainer.profile_steps", t.profile_steps, allow_zero=True)
+    check_positive("trainer.seed", t.seed, allow_zero=True)
+    if t.seed >= 2**64:
+        raise UserError(f"trainer.seed={t.seed} must be below 2**64")
     if t.peak_tflops is not None:
         check_positive("trainer.peak_tflops", t.peak_tflops)
     check_context_parallel(cfg)

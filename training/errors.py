@@ -1,6 +1,6 @@
 """How a run stops early: the errors the loop raises, each carrying what was saved and what to try.
 
-``TrainingStopped`` and ``OutOfMemory`` are UserErrors (one line, exit status 2); ``Interrupted``
+``TrainingStopped``, ``NonFiniteState`` and ``OutOfMemory`` are UserErrors (one line, exit status 2); ``Interrupted``
 exits with 128 + the signal number (training/cli.py).
 """
 from pathlib import Path
@@ -21,6 +21,14 @@ class TrainingStopped(UserError):
     """The run cannot go on (non-finite loss for too many steps); the last good checkpoint is kept."""
 
 
+class NonFiniteState(UserError):
+    """A checkpoint was due but the weights or the optimizer state are not finite: nothing was written."""
+
+    def __init__(self, step: int):
+        super().__init__(f"the weights or the optimizer state after step {step} are not finite, although its loss and "
+                         "gradient were; no checkpoint was written")
+
+
 class OutOfMemory(UserError):
     """The GPU ran out of memory: at ``step`` of the loop (the step before is saved in ``saved``), or
     outside the steps (step None: evaluation, sampling, trial batches), keeping the checkpoints written."""
@@ -36,7 +44,7 @@ class OutOfMemory(UserError):
 
 
 class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was saved."""
+    """SIGINT, SIGTERM or SIGHUP arrived; a checkpoint of the last finished step was saved."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)

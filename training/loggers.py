@@ -7,12 +7,20 @@ One record per log step: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mf
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from tqdm import tqdm
 
 from errors import UserError
 from training.config import LoggerConfig
+
+
+def read_records(path: Path) -> Tuple[List[dict], int]:
+    """The records of a metrics.jsonl and how many lines were skipped: cut short by a kill (a
+    SIGKILL in the middle of a write leaves half a line). Blank lines are ignored."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines if _step_of(line) is not None]
+    return records, len(lines) - len(records)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -65,13 +73,14 @@ class MetricsLogger:
         self.bar.update(steps)
 
     def log(self, record: dict) -> None:
+        val_loss = record.get("val_loss")  # NaN is written as null but shown as it is
         record = {k: _clean(v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         shown = {k: record[k] for k in ("loss", "val_loss", "tokens_per_s", "mfu") if record.get(k) is not None}
         self.bar.set_postfix({k: f"{v:.4g}" if k != "tokens_per_s" else f"{v:,.0f}" for k, v in shown.items()}, refresh=False)
         if "val_loss" in record:
-            self.message(f"step {record['step']}: val_loss {record['val_loss']:.4f}")
+            self.message(f"step {record['step']}: val_loss {val_loss:.4f}")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 

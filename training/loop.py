@@ -15,10 +15,12 @@ import torch
 from training import distributed
 from training.checkpoint import list_checkpoints, rng_state
 from training.config import TrainConfig
-from training.errors import Interrupted, OutOfMemory, TrainingStopped
+from training.errors import Interrupted, NonFiniteState, OutOfMemory
+from training.health import LossWatch
 from training.optim import lr_at, set_lr
 from training.precision import resolve_device
 from training.run import Run, setup_run
+from training.run_folder import claim_run_folder
 from training.signals import StopRequest
 from training.step import evaluate, generate_sample
 
@@ -30,7 +32,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """
     t = cfg.trainer
     ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
+    lock = None
     try:
+        lock = claim_run_folder(Path(run_dir), ranks)  # one run per folder; rank 0 holds it
         run = setup_run(cfg, Path(run_dir), ranks, device)
         if run.start_step >= t.max_steps:
             print(f"{run.run_dir} holds a finished run (step {run.start_step} of {t.max_steps}): extend it with "
@@ -40,6 +44,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             loss, val_loss, elapsed = train_loop(run)
         return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
     finally:
+        if lock is not None:
+            lock.release()
         distributed.teardown()
 
 
@@ -47,14 +53,14 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
     """Steps start_step + 1 .. max_steps. Returns (last loss, last val_loss, seconds taken)."""
     t = run.cfg.trainer
     loss, val_loss, saved = float("nan"), None, None
-    bad_steps = BadSteps(run.device, t.max_bad_steps)
+    watch = LossWatch(run.device, t.max_bad_steps, run.start_step, run.run_dir, run.cfg.optim.lr)
     started = time.perf_counter()
     with StopRequest() as stop:
         for step in range(run.start_step + 1, t.max_steps + 1):
             lr = lr_at(step, run.cfg.optim, t.max_steps)
             set_lr(run.optimizer, lr)
             loss_t, grad_norm_t, good = take_step(run, step)
-            bad_steps.count(good)
+            watch.count(step, loss_t, good)
 
             stopping = distributed.any_rank(bool(stop.signum), run.ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps
@@ -63,7 +69,7 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
             if not (log_due or eval_due or ckpt_due):
                 continue  # nothing read from the device: the host runs ahead of the GPU
             loss, grad_norm = loss_t.item(), grad_norm_t.item()
-            last_good = bad_steps.check(step, run.run_dir)
+            unsaveable = watch.check(step)  # why this step may not be saved; "" when it may
 
             if log_due:
                 record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **run.meter.report()}
@@ -71,14 +77,25 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
                 with run.meter.paused():
-                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype, run.shard)
+                    val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype,
+                                        run.shard, stop=lambda: distributed.any_rank(bool(stop.signum), run.ranks))
+                if val_loss is None:  # a signal cut the evaluation short: save now, not after it
+                    stopping = ckpt_due = True
+                else:
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
-                    run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
-            if ckpt_due and last_good:
+                    if not unsaveable:
+                        with run.meter.paused():
+                            run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
+            if ckpt_due and not unsaveable:
                 with run.meter.paused():
-                    saved = run.checkpointer.save(step, run.train_loader.state_dict())
+                    try:
+                        saved = run.checkpointer.save(step, run.train_loader.state_dict())
+                    except NonFiniteState as err:
+                        raise watch.stopped(str(err)) from err
+            elif ckpt_due:
+                run.logger.message(f"step {step}: no checkpoint written: {unsaveable}")
             if stopping:
-                raise interrupted(stop.signum, step, saved if last_good else newest_checkpoint(run.run_dir, "no checkpoint"))
+                raise interrupted(stop.signum, step, newest_checkpoint(run.run_dir) if unsaveable else saved)
     return loss, val_loss, time.perf_counter() - started
 
 
@@ -103,35 +120,9 @@ def take_step(run: Run, step: int):
     return outputs
 
 
-class BadSteps:
-    """Steps in a row whose loss or gradient was not finite, counted on the device (no sync per step)."""
-
-    def __init__(self, device: torch.device, limit: int):
-        self.limit = limit
-        self.streak = torch.zeros((), dtype=torch.int64, device=device)  # consecutive bad steps, up to now
-        self.worst = torch.zeros_like(self.streak)  # longest streak since the last check
-
-    def count(self, good: torch.Tensor) -> None:
-        self.streak = (self.streak + 1) * (~good)
-        self.worst = torch.maximum(self.worst, self.streak)
-
-    def check(self, step: int, run_dir: Path) -> bool:
-        """Whether the latest step was good (so it may be saved); TrainingStopped once a streak reached the limit."""
-        worst, current = self.worst.item(), self.streak.item()
-        self.worst = self.streak.clone()
-        if worst >= self.limit:
-            raise TrainingStopped(
-                f"loss or gradients were not finite for {worst} steps in a row (seen at step {step}); those steps "
-                f"changed nothing and the last good checkpoint is {newest_checkpoint(run_dir)}. Lower "
-                "optim.lr, raise optim.warmup_steps, keep trainer.grad_clip on, or use trainer.dtype=bf16/fp32 "
-                "(trainer.max_bad_steps sets the limit)"
-            )
-        return current == 0
-
-
-def newest_checkpoint(run_dir: Path, missing: str = "none"):
+def newest_checkpoint(run_dir: Path):
     newest = list_checkpoints(run_dir)
-    return newest[-1] if newest else missing
+    return newest[-1] if newest else "no checkpoint"
 
 
 def interrupted(signum: Optional[int], step: int, kept) -> Interrupted:

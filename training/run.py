@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import BatchLoader
-from data.prepare import PreparedData, prepare
+from data.prepare import PreparedData, corpus_identity, prepare
 from data.tokenizers import Tokenizer, load_tokenizer
 from errors import UserError
 from model import GPT, ModelConfig
@@ -81,7 +81,9 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
     train_loader, val_loader = make_loaders(data, cfg, batch_size, ranks, device)
-    start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device, ranks)
+    lineage = {"tokenizer": tokenizer.identity, "corpus": corpus_identity(data.manifest)}
+    start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device,
+                                                  ranks, lineage)
 
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     finished = start_step >= t.max_steps
@@ -111,7 +113,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
         start_step=start_step,
         tokens_per_step=tokens_per_step,
         checkpointer=Checkpointer(run_dir, t.keep_checkpoints, model, optimizer, scaler, ranks, device, config,
-                                  logger.wandb_id, best_val_loss, t.keep_best),
+                                  logger.wandb_id, lineage, best_val_loss, t.keep_best),
         logger=logger,
         meter=throughput_meter(model, ranks, device, t.peak_tflops),
         profiler=StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps),

@@ -1,4 +1,4 @@
-"""Pre-emption and Ctrl-C: finish the current step, save a checkpoint, exit; a second signal exits now."""
+"""Pre-emption, Ctrl-C and hang-up: finish the current step, save a checkpoint, exit; a second signal exits now."""
 import os
 import signal
 import sys
@@ -6,9 +6,10 @@ from typing import Optional
 
 
 class StopRequest:
-    """Catches SIGINT and SIGTERM while the loop runs.
+    """Catches SIGINT, SIGTERM and SIGHUP (a closed terminal, a dropped SSH session) while the loop runs.
 
-    The first signal only sets ``signum``; the loop checks it at each step boundary, saves a
+    The first signal only sets ``signum``; the loop checks it at each step boundary (and before each
+    evaluation batch, so a long evaluation does not outlast a scheduler's grace period), saves a
     checkpoint and leaves. A second signal exits at once with status 128 + signal number, through
     ``os._exit``: raising SystemExit instead can land inside ``torch.save`` of that checkpoint,
     whose zip writer then fails while closing and replaces the exit with a RuntimeError. Whatever
@@ -21,7 +22,7 @@ class StopRequest:
         self._previous = {}
 
     def __enter__(self) -> "StopRequest":
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

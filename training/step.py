@@ -1,4 +1,6 @@
 """What the loop runs on the model: one optimizer step, an evaluation, a sample of text."""
+from typing import Callable, Optional
+
 import torch
 
 from data.loader import BatchLoader
@@ -51,18 +53,24 @@ def train_step(step_model, model, optimizer, scaler, loader, t: TrainerConfig, d
 
 
 @torch.no_grad()
-def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype, shard: SequenceShard = SequenceShard()) -> float:
-    """Mean loss over the same ``iters`` validation batches every time (the loader restarts)."""
+def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype, shard: SequenceShard = SequenceShard(),
+             stop: Callable[[], bool] = lambda: False) -> Optional[float]:
+    """Mean loss over the same ``iters`` validation batches every time (the loader restarts); None
+    when ``stop()`` (asked before each batch, the same answer on every rank) says to stop early."""
     step_model.eval()
     loader.load_state_dict({"batches_drawn": 0})
     total = torch.zeros((), device=device)
-    for _ in range(iters):
-        x, y, doc_ids = loader.next_batch()
-        x, y, positions = shard(x, y)
-        with autocast(device, dtype):
-            _, loss = step_model(x, y, doc_ids, positions)
-        total += loss.float()
-    step_model.train()
+    try:
+        for _ in range(iters):
+            if stop():
+                return None
+            x, y, doc_ids = loader.next_batch()
+            x, y, positions = shard(x, y)
+            with autocast(device, dtype):
+                _, loss = step_model(x, y, doc_ids, positions)
+            total += loss.float()
+    finally:
+        step_model.train()
     return distributed.mean(total / iters).item()
 
 
