@@ -227,7 +227,7 @@ def test_a_gated_run_without_positions_trains_with_every_backend(tmp_path, data_
 
 
 def test_a_gated_checkpoint_resumes_and_samples(tmp_path, data_cache, capsys):
-    from scripts import sample
+    from scripts import eval_length, sample
 
     cfg = tiny_config(data_cache, max_steps=4, ckpt_interval=4, eval_interval=4, eval_iters=1)
     cfg.model = dataclasses.replace(cfg.model, gate="forget", pos="rope")
@@ -237,9 +237,20 @@ def test_a_gated_checkpoint_resumes_and_samples(tmp_path, data_cache, capsys):
     assert "resuming from" in capsys.readouterr().out
     sample.main([str(tmp_path), "--tokens", "8", "--device", "cpu"])
     assert "---" in capsys.readouterr().out
+    eval_length.main([str(tmp_path), "--factors", "1", "2", "--batches", "1", "--tokens", "64", "--device", "cpu"])
+    row = capsys.readouterr().out.splitlines()[-1].split(" | ")
+    assert row[1:3] == ["forget", "rope"] and all(math.isfinite(float(x.strip(" |"))) for x in row[-2:]), row
     cfg.model.gate = "none"  # a gated checkpoint does not resume an ungated model
     with pytest.raises(UserError, match="was made with model.gate=forget but this run has model.gate=none"):
         train(cfg, tmp_path)
+
+
+def test_the_length_test_says_why_learned_positions_stop_at_block_size():
+    from scripts.eval_length import why_not
+
+    learned = ModelConfig(block_size=32)
+    assert why_not(learned, 32) == "" and why_not(dataclasses.replace(learned, pos="none"), 64) == ""
+    assert why_not(learned, 64) == "n/a (learned positions: a table of 32 rows)"
 
 
 def test_a_misspelt_gate_or_position_fails_with_the_valid_choices(data_cache):
