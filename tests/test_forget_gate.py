@@ -18,22 +18,16 @@ from conftest import tiny_config
 from errors import UserError
 from kernels.flash_attention.reference import attention_ref
 from model import GPT, ModelConfig
-from model.attention import BACKENDS as TABLE, Attention, build_attention, flash, hybrid, naive, sdpa, tiled
+from model.attention import BACKENDS as TABLE, Attention, build_attention, flash, naive
 from model.attention.masks import cu_seqlens_from_doc_ids
 from model.config import AttentionConfig
 from test_attention_backends import random_doc_ids
+from test_attention_dropout import BACKENDS as PYTORCH_BACKENDS, RecordingAttention
 from training.config import validate
 from training.loop import train
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-PYTORCH_BACKENDS = {
-    "naive": naive.attend,
-    "hybrid-auto": hybrid.attend,
-    "hybrid-7": lambda *a, **kw: hybrid.attend(*a, block_size=7, **kw),
-    "tiled-8x8": lambda *a, **kw: tiled.attend(*a, block_q=8, block_k=8, **kw),
-    "sdpa": sdpa.attend,
-}
 # B, T, H, H_kv, D, window, documents (H_kv < H: heads that share K/V keep their own gates)
 CASES = [
     pytest.param(2, 29, 4, 2, 16, None, False, id="B2-T29-H4-HKV2"),
@@ -154,21 +148,6 @@ def test_model_with_gate_matches_the_reference_including_the_gate_projection(nam
     for key in ("blocks.0.attn.gate_proj.weight", "blocks.1.attn.gate_proj.bias", "blocks.0.attn.c_attn.weight"):
         tolerance = 4 * (low[key].double() - want[key]).abs().max().item() + 1e-6
         assert (grads[key].double() - want[key]).abs().max().item() <= tolerance, key
-
-
-class RecordingAttention:
-    """Stands in for a backend (plain and packed): answers zeros and records the options of each call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def attend(self, q, k, v, doc_ids=None, **options):
-        self.calls.append(options)
-        return torch.zeros_like(q)
-
-    def packed(self, qkv, n_head, doc_ids=None, **options):
-        self.calls.append(options)
-        return qkv.new_zeros(*qkv.shape[:2], n_head, qkv.shape[3])
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
