@@ -5,7 +5,8 @@ from typing import Optional
 from errors import UserError, check_choice, check_positive
 
 NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "none")
+GATES = ("none", "forget")
 MLPS = ("gelu", "swiglu")
 
 
@@ -24,7 +25,8 @@ class ModelConfig:
     attention_dropout: Optional[float] = None  # dropout of the attention probabilities; None: the same as dropout
     bias: bool = False
     norm: str = "layernorm"
-    pos: str = "learned"
+    pos: str = "learned"  # learned: a position table; rope: rotary q and k; none: no position signal (causality and gates only)
+    gate: str = "none"  # forget: a per-head forget gate on the attention scores (FoX, model/gpt.py)
     mlp: str = "gelu"
     activation_checkpointing: bool = False
     loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
@@ -68,7 +70,7 @@ def validate_model(cfg: ModelConfig) -> None:
         raise UserError(f"model.dropout={cfg.dropout} must be in [0, 1)")
     if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
         raise UserError(f"model.attention_dropout={cfg.attention_dropout} must be in [0, 1) (or null for model.dropout's)")
-    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("mlp", MLPS)):
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("gate", GATES), ("mlp", MLPS)):
         check_choice(f"model.{key}", getattr(cfg, key), choices)
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")

@@ -2,7 +2,9 @@
 
 Read top to bottom: rotary embeddings, the attention layer, the MLP, the block, the model. The
 attention layer hands q, k, v in (B, T, H, D) layout to the backend chosen by ``attention=``; every
-other part is plain PyTorch.
+other part is plain PyTorch. Positions come from a learned table (model.pos=learned), rotary q and
+k (rope), or nowhere (none: causality, and with model.gate=forget the gates' decay, tell tokens
+apart).
 """
 import math
 from typing import Optional, Tuple
@@ -49,6 +51,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.attn_dropout = cfg.attention_dropout_p  # of the attention probabilities, inside the backend
+        # model.gate=forget (the Forgetting Transformer, FoX: Lin et al., ICLR 2025): a forget gate
+        # f = sigmoid(w.x + b) per token and query head, whose logs g = log f <= 0 sum into the decay
+        # c_i - c_j the backend adds to the scores. FoX initialises its data-dependent gate like every
+        # other projection (weight N(0, 0.02), bias 0: _init_weights below does the same), so gates
+        # start near sigmoid(0) = 0.5 and the model learns how far each head looks back; FoX's
+        # decay-time bias init is for its data-independent gates only. Like every Linear, the weight
+        # decays and the bias does not (training/optim.py).
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=True) if cfg.gate == "forget" else None
         self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
@@ -56,6 +66,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
         options = {"dropout_p": self.attn_dropout} if self.training and self.attn_dropout > 0 else {}
+        if self.gate_proj is not None:
+            options["g"] = F.logsigmoid(self.gate_proj(x).float())  # (B, T, H) log forget gates, fp32
         if rope is None and self.attention.packed is not None:
             y = self.attention.packed(qkv, self.n_head, doc_ids=doc_ids, **options)  # (B, T, H, D)
         else:
@@ -155,11 +167,9 @@ class GPT(nn.Module):
         B, T = idx.shape
         x = self.wte(idx)
         positions = torch.arange(T, device=idx.device) if positions is None else positions
-        rope = None
+        rope = rope_tables(positions, self.cfg.head_dim) if self.cfg.pos == "rope" else None
         if self.wpe is not None:
             x = x + self.wpe(positions)
-        else:
-            rope = rope_tables(positions, self.cfg.head_dim)
         x = self.drop(x)
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training:

@@ -46,7 +46,7 @@ NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"
 BEST = "best.pt"
 # Model options a checkpoint must share with the run that resumes it.
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "mlp")
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "gate", "mlp")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

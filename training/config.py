@@ -97,6 +97,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.model.attention_dropout_p > 0:
         setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
         check_options(cfg.attention.name, {"dropout_p": f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"})
+    if cfg.model.gate != "none":
+        check_options(cfg.attention.name, {"g": f"model.gate={cfg.model.gate}"})
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
     check_choice("optim.schedule", o.schedule, SCHEDULES)

@@ -61,6 +61,9 @@ def check_options(cfg) -> None:
         raise UserError(f"attention dropout ({cfg.model.attention_dropout_p:g}) does not run under {cp} (ring attention "
                         "has no dropout yet); set model.attention_dropout=0 (model.dropout keeps the rest) or use "
                         "trainer.context_parallel=1")
+    if cfg.model.gate != "none":
+        raise UserError(f"model.gate={cfg.model.gate} does not run under {cp} (ring attention has no forget gate "
+                        "yet); set model.gate=none or use trainer.context_parallel=1")
     if cfg.data.document_mask:
         raise UserError(f"data.document_mask=true does not run under {cp} (ring attention has no document "
                         "boundaries yet); set data.document_mask=false or use trainer.context_parallel=1")

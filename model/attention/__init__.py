@@ -6,7 +6,9 @@ or None; causal, scaled by 1/sqrt(D); o: (B, T, H, D). It takes exactly the keyw
 row lists: AttentionConfig keys of that name are bound once by ``build_attention``; the others are
 passed by the caller at each call, only when they are in use: ``dropout_p``, the probability of
 dropping each attention probability, which the model passes in training only (model.dropout, or
-model.attention_dropout when set).
+model.attention_dropout when set); ``g``, the (B, T, H) float32 log forget gates of
+model.gate=forget, one per token and query head (under GQA too): the scores gain c_i - c_j with
+c = cumsum(g) along the sequence, restarting at each document (masks.py).
 
 A backend may also offer a packed variant ``attend_packed(qkv, n_head, doc_ids=None, **options) -> o``
 taking q, k and v side by side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them;
@@ -16,7 +18,7 @@ backward then returns qkv's gradient as one tensor instead of three that autogra
 Under context parallelism each sequence is sharded over the N ranks of a process group and a
 backend runs as the per-step attention of ring attention (``build_attention(..., context=group)``;
 model/attention/ring.py, ring_steps.py): naive, sdpa and flash have such a step; there is no packed
-variant then, and no window.
+variant then, and no window, dropout or forget gate.
 
 Adding a backend: its file here, one row in ``BACKENDS``, and configs/attention/<name>.yaml.
 """
@@ -69,12 +71,12 @@ def flash_unavailable_reason(device: torch.device) -> str:
 
 
 BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
-    Backend("naive", "model.attention.naive:attend", options=("window", "dropout_p")),
-    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size", "dropout_p")),
-    Backend("tiled", "model.attention.tiled:attend", options=("window", "dropout_p")),
-    Backend("sdpa", "model.attention.sdpa:attend", options=("window", "dropout_p")),
+    Backend("naive", "model.attention.naive:attend", options=("window", "dropout_p", "g")),
+    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size", "dropout_p", "g")),
+    Backend("tiled", "model.attention.tiled:attend", options=("window", "dropout_p", "g")),
+    Backend("sdpa", "model.attention.sdpa:attend", options=("window", "dropout_p", "g")),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
-            options=("window", "dropout_p"), unavailable=flash_unavailable_reason, fallback="sdpa"),
+            options=("window", "dropout_p", "g"), unavailable=flash_unavailable_reason, fallback="sdpa"),
 )}
 
 # AttentionConfig keys that change what attention computes, with the value that turns them off: set

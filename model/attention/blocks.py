@@ -14,6 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from model.attention.masks import gate_bias, gate_cumsum
+
 
 def scaled_query_rows(q: torch.Tensor, n_kv_head: int) -> torch.Tensor:
     """q: (B, T, H, D) -> q / sqrt(D) laid out (B*H_kv, T, G, D), contiguous.
@@ -53,6 +55,20 @@ def join_blocks(blocks: List[torch.Tensor]) -> torch.Tensor:
     o = torch.cat(blocks, dim=1)
     B, T, Hkv, G, D = o.shape
     return o.view(B, T, Hkv * G, D)
+
+
+def gate_by_head(g: torch.Tensor, n_kv_head: int) -> torch.Tensor:
+    """Log forget gates g: (B, T, H) -> c = cumsum(g) (masks.py) laid out (B*H_kv, G, T), float64."""
+    B, T, H = g.shape
+    return gate_cumsum(g).transpose(1, 2).reshape(B * n_kv_head, H // n_kv_head, T)
+
+
+def block_gate_bias(c: torch.Tensor, queries: Tuple[int, int], keys: Tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The gate's bias c_i - c_j of the queries [start, end) against the keys [k_start, k_end) in
+    ``dtype``, laid out as a block's scores: c (B*H_kv, G, T) from ``gate_by_head`` ->
+    (B*H_kv, rows*G, keys)."""
+    bias = gate_bias(c[..., queries[0]:queries[1]], c[..., keys[0]:keys[1]], dtype)  # (B*Hkv, G, rows, keys)
+    return bias.transpose(1, 2).reshape(c.shape[0], -1, keys[1] - keys[0])
 
 
 def first_visible_key(start: int, window: Optional[int]) -> int:

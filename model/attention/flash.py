@@ -14,20 +14,23 @@ def attend(
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     dropout_p: float = 0.0,
+    g: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q: (B, T, H, D); k, v: (B, T, H_kv, D); doc_ids: (B, T) or None. Returns o: (B, T, H, D).
 
     With document ids the batch is packed into one sequence of B*T tokens and the kernel's varlen
     path (cu_seqlens) keeps every document to itself. dropout_p: the kernel's dropout of the
     attention probabilities (Philox bits, seeded from torch's generator of q's device); pass 0
-    outside training.
+    outside training. g: (B, T, H) float32 log forget gates or None: the kernel adds c_i - c_j,
+    c = cumsum(g) restarting at each document (kernels/flash_attention/gate.py).
     """
     if doc_ids is None:
-        return flash_attn(q, k, v, causal=True, window_size=window, dropout_p=dropout_p)
+        return flash_attn(q, k, v, causal=True, window_size=window, dropout_p=dropout_p, g=g)
     B, T, H, D = q.shape
     cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
     packed = (x.reshape(1, B * T, x.shape[2], D) for x in (q, k, v))
-    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens, dropout_p=dropout_p)
+    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens, dropout_p=dropout_p,
+                   g=packed_gate(g))
     return o.view(B, T, H, D)
 
 
@@ -37,15 +40,21 @@ def attend_packed(
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     dropout_p: float = 0.0,
+    g: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``attend`` of the q, k, v packed in qkv: (B, T, n_head + 2 * H_kv, D), the fused projection's
     output. Returns o: (B, T, n_head, D); the backward writes qkv's gradient as one tensor, so
     nothing concatenates dq, dk and dv (see kernels/flash_attention/packed.py)."""
     if doc_ids is None:
-        return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window, dropout_p=dropout_p)
+        return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window, dropout_p=dropout_p, g=g)
     B, T, _, D = qkv.shape
     cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
     packed = qkv.reshape(1, B * T, qkv.shape[2], D)
     o = flash_attn_qkvpacked(packed, n_head, causal=True, window_size=window, cu_seqlens=cu_seqlens,
-                             dropout_p=dropout_p)
+                             dropout_p=dropout_p, g=packed_gate(g))
     return o.view(B, T, n_head, D)
+
+
+def packed_gate(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Log gates (B, T, H) as one packed row (1, B*T, H), the layout of the packed q, k, v; None stays None."""
+    return None if g is None else g.reshape(1, -1, g.shape[2])

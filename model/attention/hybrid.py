@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from model.attention.blocks import (
+    block_gate_bias,
     block_output,
     first_visible_key,
+    gate_by_head,
     join_blocks,
     keys_by_head,
     masked_key_ranges,
@@ -105,15 +107,17 @@ def attend(
     window: Optional[int] = None,
     block_size: Optional[int] = None,
     dropout_p: float = 0.0,
+    g: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention computed one query block at a time.
 
     q: (B, T, H, D); k, v: (B, T, H_kv, D) with H % H_kv == 0; doc_ids: (B, T) or None.
     block_size: rows per query block, or None to size them from T, B*H and q's dtype
     (``query_blocks``). dropout_p: probability of dropping each attention probability (kept ones
-    scaled by 1 / (1 - dropout_p)); pass 0 outside training. Returns o: (B, T, H, D) in q's dtype.
-    Saved for backward: each block's probabilities in q's dtype (and its dropout mask), plus views
-    of q, k and v.
+    scaled by 1 / (1 - dropout_p)); pass 0 outside training. g: (B, T, H) float32 log forget gates
+    or None: each block's scores gain c_i - c_j (masks.py) and then live, and take their softmax,
+    in fp32 (fp64 for fp64 inputs). Returns o: (B, T, H, D) in q's dtype. Saved for backward: each
+    block's probabilities in q's dtype (and its dropout mask), plus views of q, k and v.
     """
     B, T, H, D = q.shape
     Hkv = k.shape[2]
@@ -123,12 +127,16 @@ def attend(
     spans = query_blocks(T, B * H, q.element_size(), window, block_size)
     tallest = max(end - start for start, end in spans)
     future = torch.ones(tallest, tallest, dtype=torch.bool, device=q.device).triu_(1)  # key after query
+    c = None if g is None else gate_by_head(g, Hkv)  # (B*Hkv, G, T)
+    gated_dtype = torch.promote_types(q.dtype, torch.float32)
     blocks = []
     for (start, end), rows in zip(spans, split_rows(queries, spans)):
         first = first_visible_key(start, window)
         scores = torch.bmm(rows, keys[:, first:end].transpose(1, 2))  # (B*Hkv, rows*G, keys)
+        if c is not None:
+            scores = scores.to(gated_dtype) + block_gate_bias(c, (start, end), (first, end), gated_dtype)
         mask_scores_(scores, B, start, end, window, doc_ids, pos, future)
-        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)  # (B*Hkv, rows*G, keys)
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype).to(q.dtype)  # (B*Hkv, rows*G, keys)
         if dropout_p > 0:
             probs = F.dropout(probs, dropout_p)
         blocks.append(block_output(torch.bmm(probs, values[:, first:end]), B, end - start))

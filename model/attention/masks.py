@@ -1,9 +1,15 @@
-"""Which keys each query may attend to, in the two forms the backends take.
+"""Which keys each query may attend to, in the two forms the backends take, and the forget gate's bias.
 
 A boolean mask (naive, hybrid, sdpa) is True where a query may attend to a key. Three rules
 combine: causality (key position <= query position), an optional sliding window (query - key <
 window) and optional document boundaries (query and key carry the same document id). A kernel with
 a packed-sequence path (flash) takes the document boundaries as ``cu_seqlens`` instead.
+
+The forget gate (model.gate=forget) adds c_i - c_j to the score of query i and key j, with c the
+cumulative sum of the log gates g along the sequence. Within a document c_i - c_j is the same
+whether c restarts at the document's first token or not, and scores across documents are masked,
+so the backends with a mask take one cumulative sum along each row (float64, so c's own rounding
+does not grow with T) and the bias of a (query, key) pair is the float64 difference, rounded once.
 """
 from typing import Optional, Tuple
 
@@ -64,3 +70,14 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
     end = torch.tensor([B * T], device=doc_ids.device)
     cu_seqlens = torch.cat([begin, end]).to(torch.int32)
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def gate_cumsum(g: torch.Tensor) -> torch.Tensor:
+    """c = cumsum(g) along the sequence in float64. g: (B, T, H) log forget gates -> c: (B, T, H)."""
+    return g.to(torch.float64).cumsum(dim=1)
+
+
+def gate_bias(c_q: torch.Tensor, c_k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scores' bias c_i - c_j in ``dtype``: c_q (..., Tq) at the queries, c_k (..., Tk) at the keys
+    (float64, the same leading dims) -> (..., Tq, Tk)."""
+    return (c_q[..., :, None] - c_k[..., None, :]).to(dtype)

@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from model.attention.blocks import (
+    block_gate_bias,
     block_output,
     first_visible_key,
     fully_visible_keys,
+    gate_by_head,
     join_blocks,
     keys_by_head,
     scaled_query_rows,
@@ -42,6 +44,7 @@ def attend(
     doc_ids: Optional[torch.Tensor] = None,
     window: Optional[int] = None,
     dropout_p: float = 0.0,
+    g: Optional[torch.Tensor] = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> torch.Tensor:
@@ -50,7 +53,8 @@ def attend(
     q: (B, T, H, D); k, v: (B, T, H_kv, D) with H % H_kv == 0; doc_ids: (B, T) or None.
     dropout_p: probability of dropping each attention probability; applied to the unnormalised
     block probabilities that multiply V and not to the running sum l, which makes it dropout of
-    the normalised probabilities (kept ones scaled by 1 / (1 - dropout_p)). block_q, block_k: rows
+    the normalised probabilities (kept ones scaled by 1 / (1 - dropout_p)). g: (B, T, H) float32 log
+    forget gates or None: each pair of blocks' scores gain c_i - c_j (masks.py). block_q, block_k: rows
     of queries and keys per block. Returns o: (B, T, H, D) in q's dtype. Scores and the running
     state are fp32 for fp16/bf16/fp32 inputs (fp64 for fp64); matmuls take q's dtype, as the
     kernel's do.
@@ -58,10 +62,11 @@ def attend(
     B, T, H, D = q.shape
     queries = scaled_query_rows(q, k.shape[2])  # (B*Hkv, T, G, D)
     keys, values = keys_by_head(k), keys_by_head(v)  # (B*Hkv, T, D)
+    c = None if g is None else gate_by_head(g, k.shape[2])  # (B*Hkv, G, T)
     spans = [(start, min(start + block_q, T)) for start in range(0, T, block_q)]
     blocks = []
     for (start, end), rows in zip(spans, split_rows(queries, spans)):
-        o = attend_query_block(rows, keys, values, start, end, window, doc_ids, dropout_p, block_k)
+        o = attend_query_block(rows, keys, values, start, end, window, doc_ids, dropout_p, block_k, c)
         blocks.append(block_output(o.to(q.dtype), B, end - start))
     return join_blocks(blocks)
 
@@ -76,10 +81,12 @@ def attend_query_block(
     doc_ids: Optional[torch.Tensor],
     dropout_p: float,
     block_k: int,
+    c: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The inner loop: o for the queries [start, end), rows: (B*H_kv, rows*G, D), scaled.
 
-    keys, values: (B*H_kv, T, D). Returns o: (B*H_kv, rows*G, D) in the accumulation dtype.
+    keys, values: (B*H_kv, T, D); c: the forget gate's cumulative sums (B*H_kv, G, T) float64
+    (blocks.gate_by_head) or None. Returns o: (B*H_kv, rows*G, D) in the accumulation dtype.
     """
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
     m = rows.new_full((*rows.shape[:2], 1), float("-inf"), dtype=acc_dtype)  # running max
@@ -90,6 +97,8 @@ def attend_query_block(
     for k_start in range(first_block, end, block_k):  # later key blocks are in every query's future
         k_end = min(k_start + block_k, keys.shape[1])
         s = torch.bmm(rows, keys[:, k_start:k_end].transpose(1, 2)).to(acc_dtype)  # (B*Hkv, rows*G, cols)
+        if c is not None:
+            s = s + block_gate_bias(c, (start, end), (k_start, k_end), acc_dtype)
         if doc_ids is not None or k_start < lo or k_end > hi:
             s = masked(s, start, end, k_start, k_end, window, doc_ids)
         with torch.no_grad():
