@@ -218,12 +218,25 @@ class Launcher:
                                                      f"({cfg}); once per shape, Triton keeps the binary")
         with notice:
             compiled = kernel.jit[grid](**args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._record(plan, kernel.jit, compiled, grid, pointers, args)
+
+    def launch_fixed(self, jit, grid: tuple[int, int, int], pointers: dict, rest: dict, num_warps: int,
+                     plan: tuple | None = None) -> None:
+        """Launch ``jit``, a small kernel with one config of its own (no tiles to pick, nothing to
+        tune), through Triton's own launch, and record the binary under ``plan``."""
+        args = {**pointers, **rest}
+        compiled = jit[grid](**args, num_warps=num_warps)
+        self._record(plan, jit, compiled, grid, pointers, args)
+
+    def _record(self, plan: tuple | None, jit, compiled, grid: tuple[int, int, int], pointers: dict,
+                args: dict) -> None:
+        """Keep ``compiled`` bound to ``grid`` and the arguments after the pointers under ``plan``."""
         if plan is None:
             return
         if hasattr(compiled, "result"):  # a compile future (triton's async compile mode)
             compiled = compiled.result()
-        names = kernel.jit.arg_names
-        assert list(pointers) == names[:len(pointers)], f"{kernel.kind}: pointers must lead the signature"
+        names = jit.arg_names
+        assert list(pointers) == names[:len(pointers)], "the pointers must lead the kernel's signature"
         if len(self.plans) >= self.max_plans:
             self.plans.clear()
         self.plans[plan] = (compiled[grid], tuple(args[name] for name in names[len(pointers):]))
