@@ -366,7 +366,7 @@ class _RecordingJit:
         self.binary = binary
 
     def __getitem__(self, grid):
-        def run(num_warps, num_stages, **kwargs):
+        def run(num_warps, num_stages=None, **kwargs):
             assert set(kwargs) == set(self.arg_names)
             self.binary.calls.append((grid, tuple(kwargs[name] for name in self.arg_names)))
             return self.binary
@@ -377,12 +377,14 @@ class _RecordingJit:
 def _planned_and_built_launches(monkeypatch, run):
     """What the kernels receive for ``run(tensors)`` on a second set of tensors: (launches replayed
     from the plans recorded by a first call, launches built from scratch for the same call)."""
-    from kernels.flash_attention import backward
+    from kernels.flash_attention import backward, gate
 
     binary = _RecordingBinary()
     for module, name in ((forward, "FWD"), (backward, "DQ"), (backward, "DKDV")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, dataclasses.replace(kernel, jit=_RecordingJit(kernel.jit.arg_names, binary)))
+    for name in ("_gate_cumsum_kernel", "_gate_grad_kernel"):  # the gate's scan kernels (launch_fixed)
+        monkeypatch.setattr(gate, name, _RecordingJit(getattr(gate, name).arg_names, binary))
     monkeypatch.setattr(launch.LAUNCHER, "replay", True)  # off under the interpreter
     monkeypatch.setattr(launch.LAUNCHER, "plans", {})
     run(0)
@@ -430,9 +432,14 @@ def test_launch_plans_replay_exactly_the_built_launch(monkeypatch, with_dlse, wi
                                         g=gates[i]))
     for planned, built in (fwd, bwd):
         assert _same_launches(planned, built)
+        with_inputs = 0
         for (_, planned_args), (_, built_args) in zip(planned, built):
-            inputs = [i for i, x in enumerate(built_args) if any(x is t for t in sets[1] + lse + dlse)]
-            assert inputs and all(planned_args[i] is built_args[i] for i in inputs)
+            inputs = [i for i, x in enumerate(built_args)
+                      if x is not None and any(x is t for t in sets[1] + lse + dlse + gates)]
+            assert all(planned_args[i] is built_args[i] for i in inputs)
+            with_inputs += bool(inputs)
+        # every launch reads a tensor of the call's own, but dg's scan (it reads the dQ kernel's dc)
+        assert with_inputs == len(planned) - (with_gate and planned is bwd[0])
 
 
 def test_launch_plan_key_separates_what_the_arguments_are_computed_from():
