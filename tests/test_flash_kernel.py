@@ -715,8 +715,9 @@ def test_dropout_zero_runs_the_plain_kernel_and_draws_nothing():
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_mask_keeps_one_minus_p_independently(p):
-    """The kept fraction is 1 - p within 5 standard errors, in each of the four Philox words (key
-    j takes word j % 4), and neighbouring keys agree as often as independent draws do."""
+    """The kept fraction is 1 - p within 5 standard errors, in each of the eight 16-bit slices of
+    a Philox call (key j takes slice j % 8: a half of a word), and neighbouring keys (two halves
+    of one word, or of two words) agree as often as independent draws do."""
     B, H, T = 2, 3, 128
     torch.manual_seed(0)
     keep = flash_dropout_mask(draw_dropout_rng(torch.device(DEVICE)), B, H, T, p).cpu()
