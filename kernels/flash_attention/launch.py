@@ -178,13 +178,16 @@ class Launcher:
         if not self.replay:
             return None
         address_bits = 0
-        for t in pointers:
-            if t is not None:
+        dtypes = []
+        for t in pointers:  # one pass: this runs on every call
+            if t is None:
+                dtypes.append(None)
+            else:
                 address_bits |= t.data_ptr()
+                dtypes.append(t.dtype)
         if address_bits & 15:
             return None
-        dtypes = tuple(None if t is None else t.dtype for t in pointers)
-        return (kind, self.autotune, self.family, pointers[0].device, dtypes, *derived)
+        return (kind, self.autotune, self.family, pointers[0].device, tuple(dtypes), *derived)
 
     def relaunch(self, plan: tuple | None, pointers: tuple) -> bool:
         """Launch the kernel recorded under ``plan`` with these pointers; False if there is none yet."""
