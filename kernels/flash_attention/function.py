@@ -8,8 +8,8 @@ graph break. Autograd is one ``torch.autograd.Function`` around them (not the op
 ``register_autograd``): eager calls and compiled graphs take the same path, without
 ``custom_op``'s Python autograd layer (FlashAttention's ``flash_attn_interface.py`` is built the
 same way). :func:`define_op` returns a caller that enters the op while ``torch.compile`` traces
-and, in eager, calls the op's one implementation itself: the dispatcher's boundary costs about
-20 us a call on the host and changes nothing there (an eager call would reach the same function).
+and, in eager, calls the op's one implementation itself: the dispatcher's boundary costs host
+time on every call and changes nothing there (an eager call would reach the same function).
 
 Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32, cu_seqlens, with dropout
 the (2,) int64 RNG state the forward drew (``dropout.py``) and with a forget gate g (B, T, H)
@@ -49,8 +49,8 @@ def define_op(name: str, schema: str, impl, fake):
     """Define ``nanoflash::<name>`` with ``schema``, ``impl`` as its implementation for every device
     (CUDA, or CPU under the interpreter) and ``fake`` for tracing. Returns the function to call:
     the op's overload while ``torch.compile`` traces (an opaque node, shaped by ``fake``), ``impl``
-    itself in eager (what the dispatcher would run, without its ~20 us boundary); ``.op`` is the
-    overload."""
+    itself in eager (what the dispatcher would run, without its boundary's host time); ``.op`` is
+    the overload."""
     qualname = f"nanoflash::{name}"
     torch.library.define(qualname, schema)
     torch.library.impl(qualname, "default", impl)
