@@ -51,7 +51,7 @@ TESTS=(tests/test_flash_kernel.py tests/test_flash_gate.py tests/test_flash_tuni
        tests/test_attention_dropout.py tests/test_cross_entropy.py)
 PARALLEL=()
 $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n 14)
-step tests 170 $PY -m pytest "${PARALLEL[@]}" -q -rf --tb=line -p no:cacheprovider "${TESTS[@]}"
+step tests 165 $PY -m pytest "${PARALLEL[@]}" -q -rf --tb=line -p no:cacheprovider "${TESTS[@]}"
 # the summary lines (FAILED ...) and the counts, from the test step's part of run.log
 sed -n '/^=== tests (limit/,/^=== tests: exit/p' "$LOG" | grep -E "^(FAILED|ERROR)|passed|failed|error|^=== tests" > "$OUT/tests.txt"
 
@@ -69,7 +69,7 @@ copy "$WORK/dropout/dropout.md" dropout.md
 step gate 40 $PY scripts/bench_flash.py --gate --shapes "$SHAPES" --out "$WORK/gate"
 copy "$WORK/gate/gate.md" gate.md
 
-step first-call 120 $PY scripts/bench_flash.py --first-call --out "$WORK/first_call"
+step first-call 110 $PY scripts/bench_flash.py --first-call --out "$WORK/first_call"
 copy "$WORK/first_call/first_call.md" first_call.md
 
 rm -rf "$WORK"
