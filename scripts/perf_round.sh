@@ -51,9 +51,10 @@ TESTS=(tests/test_flash_kernel.py tests/test_flash_gate.py tests/test_flash_tuni
        tests/test_attention_dropout.py tests/test_cross_entropy.py)
 PARALLEL=()
 $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n 14)
-step tests 165 $PY -m pytest "${PARALLEL[@]}" -q -rf --tb=line -p no:cacheprovider "${TESTS[@]}"
-# the summary lines (FAILED ...) and the counts, from the test step's part of run.log
-sed -n '/^=== tests (limit/,/^=== tests: exit/p' "$LOG" | grep -E "^(FAILED|ERROR)|passed|failed|error|^=== tests" > "$OUT/tests.txt"
+step tests 165 $PY -m pytest "${PARALLEL[@]}" -v -rf --tb=line -p no:cacheprovider "${TESTS[@]}"
+# failures as they happen (-v: kept if the step runs out of time), the summary and the counts
+sed -n '/^=== tests (limit/,/^=== tests: exit/p' "$LOG" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)|^=== tests" \
+    > "$OUT/tests.txt"
 
 step profile 45 $PY scripts/profile_flash.py --out "$WORK/profile"
 copy "$WORK/profile/profile.md" profile.md
