@@ -6,7 +6,9 @@ match in test_flash_kernel.py (cases with ``gate=``) does not show on its own.
 * the precision does not depend on |c|: a huge first gate cancels in every c_i - c_j, and the
   kernel's error stays that of the gate-free problem (an fp32 cumulative sum's does not);
 * documents of a packed batch restart c, and dg at each document's first token is ~0;
-* the reference's gate bias is the sum of g over j < l <= i.
+* the reference's gate bias is the sum of g over j < l <= i;
+* the scan kernels (c = cumsum(g) as a hi/lo pair, dg = reverse cumsum of dc per sequence) match
+  float64 torch, across several steps of their loop and for strided g.
 
 Without CUDA the kernels run under the Triton interpreter (set up by test_flash_kernel.py, whose
 helpers these tests share).
@@ -20,6 +22,7 @@ import torch
 from test_flash_kernel import (  # noqa: F401  (_no_autotune_by_default: autouse here too)
     CUDA, DEVICE, F16, F32, Case, _no_autotune_by_default, flash_attn, make_gate, make_inputs, max_err)
 from kernels import flash_attn_qkvpacked
+from kernels.flash_attention.gate import SCAN_BLOCK, gate_cumsum, gate_grad
 from kernels.flash_attention.reference import attention_ref, gate_bias
 
 ZERO_CASES = [
@@ -170,3 +173,34 @@ def test_qkvpacked_rejects_a_gate_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"g must be None or float32 log forget gates of shape \(B, T, H\) = \(1, 8, 4\)"):
         flash_attn_qkvpacked(qkv, 4, g=torch.zeros(1, 8, 8, device=DEVICE))
 
+
+
+SCAN_T = 2 * SCAN_BLOCK + 37  # three steps of the scan loop, the last one partial
+
+
+def test_gate_cumsum_is_the_float64_cumulative_sum_as_a_hi_lo_pair():
+    """hi + lo (summed in float64) is cumsum(g) * log2(e) to ~1e-16 relative, hi is its fp32
+    rounding, for g of any strides (here a (B, T, H) view of a (B, H, T) tensor)."""
+    g = -torch.rand(2, 3, SCAN_T, generator=torch.Generator().manual_seed(0)).to(DEVICE).transpose(1, 2)
+    hi, lo = gate_cumsum(g)
+    truth = torch.cumsum(g.double(), dim=1).mul(1.4426950408889634).transpose(1, 2)
+    assert hi.shape == lo.shape == (2, 3, SCAN_T) and hi.is_contiguous()
+    torch.testing.assert_close(hi.double(), truth, rtol=2 ** -24, atol=0)  # hi: the fp32 rounding of c
+    err = (hi.double() + lo.double() - truth).abs().max().item()
+    assert err <= 1e-14 * truth.abs().max().item(), err
+
+
+@pytest.mark.parametrize("cu", [None, (0, 5, 6, SCAN_BLOCK + 100, SCAN_T)], ids=["batch", "varlen"])
+def test_gate_grad_is_the_reverse_cumulative_sum_within_each_sequence(cu):
+    """dg_t = sum of dc_s over s >= t of t's sequence, to fp32 rounding of the float64 sum."""
+    B = 2 if cu is None else 1
+    dc = torch.randn(B, 3, SCAN_T, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    dg = gate_grad(dc, cu_seqlens)
+    truth = torch.empty(B, 3, SCAN_T, dtype=torch.float64, device=DEVICE)
+    bounds = (0, SCAN_T) if cu is None else cu
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        truth[..., a:b] = dc[..., a:b].double().flip(-1).cumsum(-1).flip(-1)
+    assert dg.shape == (B, SCAN_T, 3) and dg.is_contiguous()
+    # fp32 rounding of the float64 sum (the kernel's scan adds in another order: ~1e-16 apart)
+    torch.testing.assert_close(dg.double(), truth.transpose(1, 2), rtol=2 ** -24, atol=1e-13)

@@ -9,12 +9,17 @@ regenerates the bits of its own tile from
 * the element's coordinates (s, h, i, j): sequence s (batch row, or document of a packed batch),
   query head h, query i and key j counted from the start of the sequence,
 
-with Philox 4x32-10 (``tl.philox``): key = seed, counter = (j // 4, ((s * H + h) * T + i) mod 2**32,
-offset_lo, offset_hi); of the four 32-bit words one call returns, key j takes word j % 4, so one
-Philox call serves four keys (``tl.randint4x``'s economy). Element (s, h, i, j) is kept when its
-word's top 24 bits are >= round(p * 2**24): probability 1 - round(p * 2**24) / 2**24, within
-3e-8 of 1 - p. The mask depends on the coordinates only, not on any kernel's tile sizes, so the
-three kernels (each with its own tiles) and :func:`flash_dropout_mask` agree bit for bit.
+with Philox 4x32-10 (``tl.philox``): key = seed, counter = (j // 8, ((s * H + h) * T + i) mod 2**32,
+offset_lo, offset_hi). One call returns four 32-bit words, 128 bits, and a keep decision needs
+16 of them: key j takes the 16-bit half (j % 2: 0 the high half, 1 the low) of word (j % 8) // 2,
+so one Philox call serves eight keys. Element (s, h, i, j) is kept when its 16 bits are
+>= round(p * 2**16): probability 1 - round(p * 2**16) / 2**16, so p takes steps of 2**-16 (1.5e-5)
+and the drop probability is within 7.7e-6 of p (p = 0.1 drops 6554 / 65536 = 0.100006); the
+kept values are still scaled by 1 / (1 - p). Philox's rounds are the cost of dropout (20 integer
+multiplies per call): 16 bits a score make it half of what 32 would, at a granularity of p far
+below anything a model is tuned to (FlashAttention 2 keeps 8 bits, steps of 1/256). The mask
+depends on the coordinates only, not on any kernel's tile sizes, so the three kernels (each with
+its own tiles) and :func:`flash_dropout_mask` agree bit for bit.
 
 The RNG state is drawn by :func:`draw_dropout_rng` with ``torch.randint`` on q's device, from
 that device's default generator: ``torch.manual_seed`` makes a call repeatable, and under CUDA
@@ -31,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-_KEEP_BITS = 24  # keep iff the top 24 bits of a Philox word >= threshold
+_KEEP_BITS = 16  # keep iff the element's 16-bit half of a Philox word >= threshold
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """Integer threshold of the top 24 bits of a random word below which an element is dropped."""
+    """Integer threshold of an element's 16 random bits below which it is dropped."""
     return round(dropout_p * (1 << _KEEP_BITS))
 
 
@@ -59,19 +64,21 @@ def dropout_keep(seed, offset_lo, offset_hi, row0, offs_m, start_n, threshold,
     (BLOCK_N, BLOCK_M), keys by queries, when ``TRANSPOSED`` (the dK/dV kernel's orientation).
 
     ``row0`` = (s * H + h) * T locates the (sequence, head) plane; ``start_n`` must be a multiple
-    of 4 (tiles start at multiples of BLOCK_N >= 16). See the module docstring for the counter.
+    of 8 (tiles start at multiples of BLOCK_N >= 16). See the module docstring for the counter.
     """
     rows = (row0 + offs_m).to(tl.uint32)
-    groups = (start_n // 4 + tl.arange(0, BLOCK_N // 4)).to(tl.uint32)
-    c0 = tl.broadcast_to(groups[None, :], (BLOCK_M, BLOCK_N // 4))
-    c1 = tl.broadcast_to(rows[:, None], (BLOCK_M, BLOCK_N // 4))
+    groups = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)
+    c0 = tl.broadcast_to(groups[None, :], (BLOCK_M, BLOCK_N // 8))
+    c1 = tl.broadcast_to(rows[:, None], (BLOCK_M, BLOCK_N // 8))
     zero = c0 * 0
     r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + offset_lo, zero + offset_hi)
-    # join(join(r0, r2), join(r1, r3))[m, g, a, b] = r_{2a+b}: key 4g + t takes word t.
-    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N))
+    # join(join(r0, r2), join(r1, r3))[m, g, a, b] = r_{2a+b}: column 4g + t holds word t of group g;
+    # then join(high, low) puts the high half of column u at 2u and its low half at 2u + 1.
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK_M, BLOCK_N // 2))
+    halves = tl.reshape(tl.join(words >> 16, words & 0xFFFF), (BLOCK_M, BLOCK_N))
     if TRANSPOSED:
-        words = tl.trans(words)
-    return (words >> 8).to(tl.int32) >= threshold
+        halves = tl.trans(halves)
+    return halves.to(tl.int32) >= threshold
 
 
 @triton.jit

@@ -5,9 +5,11 @@
 CPU under ``TRITON_INTERPRET=1``) and have fake implementations, so ``torch.compile`` treats them
 as opaque calls and a model that calls :func:`flash_attn` compiles with ``fullgraph=True`` and no
 graph break. Autograd is one ``torch.autograd.Function`` around them (not the ops' own
-``register_autograd``): eager calls and compiled graphs take the same path, and an eager call
-pays one cheap dispatcher boundary per op instead of ``custom_op``'s Python autograd layer
-(FlashAttention's ``flash_attn_interface.py`` is built the same way).
+``register_autograd``): eager calls and compiled graphs take the same path, without
+``custom_op``'s Python autograd layer (FlashAttention's ``flash_attn_interface.py`` is built the
+same way). :func:`define_op` returns a caller that enters the op while ``torch.compile`` traces
+and, in eager, calls the op's one implementation itself: the dispatcher's boundary costs host
+time on every call and changes nothing there (an eager call would reach the same function).
 
 Saved for backward: q, k, v, o (B, T, H, D), lse (B, H, T) float32, cu_seqlens, with dropout
 the (2,) int64 RNG state the forward drew (``dropout.py``) and with a forget gate g (B, T, H)
@@ -45,13 +47,21 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_t: int) -> None:
 
 def define_op(name: str, schema: str, impl, fake):
     """Define ``nanoflash::<name>`` with ``schema``, ``impl`` as its implementation for every device
-    (CUDA, or CPU under the interpreter) and ``fake`` for tracing; returns its overload (calling
-    the overload skips the packet's lookup on every call)."""
+    (CUDA, or CPU under the interpreter) and ``fake`` for tracing. Returns the function to call:
+    the op's overload while ``torch.compile`` traces (an opaque node, shaped by ``fake``), ``impl``
+    itself in eager (what the dispatcher would run, without its boundary's host time); ``.op`` is
+    the overload."""
     qualname = f"nanoflash::{name}"
     torch.library.define(qualname, schema)
     torch.library.impl(qualname, "default", impl)
     torch.library.register_fake(qualname)(fake)
-    return getattr(torch.ops.nanoflash, name).default
+    op = getattr(torch.ops.nanoflash, name).default  # the overload: no packet lookup per call
+
+    def call(*args):
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)
+
+    call.op = op
+    return call
 
 
 def checked_forward(q, k, v, cu_seqlens, rng, g, softmax_scale, causal, window, dropout_p):

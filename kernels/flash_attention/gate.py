@@ -7,9 +7,10 @@ document meet, and for those c_i - c_j is the same whether c restarts at the doc
 token or runs on from the previous documents: the difference cancels the offset. So c is one
 cumulative sum along the whole (packed) sequence.
 
-**Where c is computed, and in what precision.** On the host side of the op, with
-``torch.cumsum(..., dtype=float64)`` (times log2(e): the kernels' scores are base 2): one
-memory-bound scan over B*T*H numbers (not timed apart from the kernels), exact to ~1e-16 relative.
+**Where c is computed, and in what precision.** By :func:`gate_cumsum`, one launch of a small
+Triton scan kernel (one program per sequence and head, ``SCAN_BLOCK`` positions a step, a float64
+carry between steps; times log2(e): the kernels' scores are base 2), exact to ~1e-16 relative. It
+replaces a torch float64 cumsum, a transpose and two casts (five launches and their host time).
 The kernels then need c_i - c_j in fp32. Storing c in fp32 would lose bits: |c| grows like
 T * |g|, and fp32 c carries an absolute error of ~6e-8 * |c| (1e-3 at |c| = 16384), an error in
 every probability, even between neighbours whose true difference is tiny. Instead c is stored as
@@ -31,7 +32,8 @@ subtract anyway. What remains per block is a vector of BLOCK_N (or BLOCK_M) offs
 dQ and dK/dV kernels form anyway), dc_l = sum_j dS_lj - sum_i dS_il: a row sum, which the dQ
 kernel stores, minus a column sum, which the dK/dV kernel subtracts in place (``backward.py``).
 :func:`gate_grad` turns dc into dg, the reverse cumulative sum of dc within each sequence (g_l
-enters every c_i with i >= l of its sequence), in float64 on the host.
+enters every c_i with i >= l of its sequence), with a second scan kernel that walks each sequence
+from its end and accumulates in float64.
 """
 
 from __future__ import annotations
@@ -40,31 +42,92 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LAUNCHER
 
-LOG2E = 1.4426950408889634
+SCAN_BLOCK = 1024  # positions per step of the scan kernels' loop along T
+SCAN_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_cumsum_kernel(G, C_HI, C_LO, T, H, stride_gb, stride_gt, stride_gh, BLOCK_T: tl.constexpr):
+    """One program per (batch row, head): c = cumsum(g) * log2(e) along T, in float64, stored as the
+    fp32 pair hi = fp32(c), lo = fp32(c - hi) at row (b * H + h) of C_HI / C_LO (B, H, T)."""
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    g_row = G + i_b.to(tl.int64) * stride_gb + i_h.to(tl.int64) * stride_gh
+    out_row = (i_b * H + i_h).to(tl.int64) * T
+    carry = tl.zeros([1], dtype=tl.float64)  # c at the last position of the steps before
+    for start in range(0, T, BLOCK_T):
+        offs = start + tl.arange(0, BLOCK_T)
+        inside = offs < T
+        x = tl.load(g_row + offs.to(tl.int64) * stride_gt, mask=inside, other=0.0).to(tl.float64)
+        c = (tl.cumsum(x, 0) + carry) * 1.4426950408889634
+        carry += tl.sum(x, 0)
+        hi = c.to(tl.float32)
+        tl.store(C_HI + out_row + offs, hi, mask=inside)
+        tl.store(C_LO + out_row + offs, (c - hi.to(tl.float64)).to(tl.float32), mask=inside)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_grad_kernel(DC, DG, CU_SEQLENS, T, H, stride_gb, stride_gt, stride_gh,
+                      IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program per (sequence, head): dg_t = sum of dc_s over s >= t in t's sequence (a batch
+    row, or a document of ``CU_SEQLENS`` in the packed batch of one row), accumulated in float64
+    from the sequence's end; dc (B, H, T) float32, dg (B, T, H) float32 at the given strides."""
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    if IS_VARLEN:
+        bos = tl.load(CU_SEQLENS + i_b)
+        eos = tl.load(CU_SEQLENS + i_b + 1)
+        dc_row = DC + i_h.to(tl.int64) * T
+        dg_row = DG + i_h.to(tl.int64) * stride_gh
+    else:
+        bos = 0
+        eos = T
+        dc_row = DC + (i_b * H + i_h).to(tl.int64) * T
+        dg_row = DG + i_b.to(tl.int64) * stride_gb + i_h.to(tl.int64) * stride_gh
+    carry = tl.zeros([1], dtype=tl.float64)  # the sum of dc over the steps after this one
+    for step in range(0, tl.cdiv(eos - bos, BLOCK_T)):
+        offs = eos - (step + 1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        inside = offs >= bos
+        x = tl.load(dc_row + offs, mask=inside, other=0.0).to(tl.float64)
+        dg = tl.cumsum(x, 0, reverse=True) + carry
+        carry += tl.sum(x, 0)
+        tl.store(dg_row + offs.to(tl.int64) * stride_gt, dg.to(tl.float32), mask=inside)
 
 
 def gate_cumsum(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """c * log2(e), c = cumsum(g) along the sequence, as an (hi, lo) pair of float32 (B, H, T)
-    tensors laid out like the kernels' lse (hi + lo exact to ~1e-16 relative). g: (B, T, H) float32."""
-    c = torch.cumsum(g, dim=1, dtype=torch.float64).mul_(LOG2E).transpose(1, 2)
-    hi = c.to(torch.float32, memory_format=torch.contiguous_format)
-    lo = torch.empty_like(hi)
-    torch.sub(c, hi, out=lo)
+    tensors laid out like the kernels' lse (hi + lo exact to ~1e-16 relative). g: (B, T, H) float32,
+    any strides. One kernel launch (replayed from a plan after the first call)."""
+    B, T, H = g.shape
+    hi = torch.empty((B, H, T), dtype=torch.float32, device=g.device)
+    lo = torch.empty((B, H, T), dtype=torch.float32, device=g.device)
+    pointers = (g, hi, lo)
+    plan = LAUNCHER.plan_key("gate_cumsum", pointers, g.shape, g.stride())
+    if not LAUNCHER.relaunch(plan, pointers):
+        sg = g.stride()
+        LAUNCHER.launch_fixed(_gate_cumsum_kernel, (B, H, 1), dict(G=g, C_HI=hi, C_LO=lo),
+                              dict(T=T, H=H, stride_gb=sg[0], stride_gt=sg[1], stride_gh=sg[2], BLOCK_T=SCAN_BLOCK),
+                              SCAN_WARPS, plan)
     return hi, lo
 
 
 def gate_grad(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """dg (B, T, H) float32 from dc (B, H, T) float32: dg_t = sum of dc_s over s >= t in t's
-    sequence (batch row, or document of ``cu_seqlens``), accumulated in float64."""
-    prefix = torch.cumsum(dc, dim=2, dtype=torch.float64)
-    if cu_seqlens is None:
-        total = prefix[..., -1:]
-    else:  # the prefix at each token's document end
-        ends = torch.repeat_interleave(cu_seqlens[1:].long() - 1, cu_seqlens.diff(), output_size=dc.shape[2])
-        total = prefix.index_select(2, ends)
-    dg = (total - prefix).add_(dc)
-    return dg.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    sequence (batch row, or document of ``cu_seqlens``), accumulated in float64. One kernel launch."""
+    B, H, T = dc.shape
+    dg = torch.empty((B, T, H), dtype=torch.float32, device=dc.device)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    pointers = (dc, dg, cu_seqlens)
+    plan = LAUNCHER.plan_key("gate_grad", pointers, dc.shape, n_seq)
+    if not LAUNCHER.relaunch(plan, pointers):
+        sg = dg.stride()
+        LAUNCHER.launch_fixed(_gate_grad_kernel, (n_seq, H, 1), dict(DC=dc, DG=dg, CU_SEQLENS=cu_seqlens),
+                              dict(T=T, H=H, stride_gb=sg[0], stride_gt=sg[1], stride_gh=sg[2],
+                                   IS_VARLEN=cu_seqlens is not None, BLOCK_T=SCAN_BLOCK),
+                              SCAN_WARPS, plan)
+    return dg
 
 
 @triton.jit

@@ -178,13 +178,16 @@ class Launcher:
         if not self.replay:
             return None
         address_bits = 0
-        for t in pointers:
-            if t is not None:
+        dtypes = []
+        for t in pointers:  # one pass: this runs on every call
+            if t is None:
+                dtypes.append(None)
+            else:
                 address_bits |= t.data_ptr()
+                dtypes.append(t.dtype)
         if address_bits & 15:
             return None
-        dtypes = tuple(None if t is None else t.dtype for t in pointers)
-        return (kind, self.autotune, self.family, pointers[0].device, dtypes, *derived)
+        return (kind, self.autotune, self.family, pointers[0].device, tuple(dtypes), *derived)
 
     def relaunch(self, plan: tuple | None, pointers: tuple) -> bool:
         """Launch the kernel recorded under ``plan`` with these pointers; False if there is none yet."""
@@ -218,12 +221,25 @@ class Launcher:
                                                      f"({cfg}); once per shape, Triton keeps the binary")
         with notice:
             compiled = kernel.jit[grid](**args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self._record(plan, kernel.jit, compiled, grid, pointers, args)
+
+    def launch_fixed(self, jit, grid: tuple[int, int, int], pointers: dict, rest: dict, num_warps: int,
+                     plan: tuple | None = None) -> None:
+        """Launch ``jit``, a small kernel with one config of its own (no tiles to pick, nothing to
+        tune), through Triton's own launch, and record the binary under ``plan``."""
+        args = {**pointers, **rest}
+        compiled = jit[grid](**args, num_warps=num_warps)
+        self._record(plan, jit, compiled, grid, pointers, args)
+
+    def _record(self, plan: tuple | None, jit, compiled, grid: tuple[int, int, int], pointers: dict,
+                args: dict) -> None:
+        """Keep ``compiled`` bound to ``grid`` and the arguments after the pointers under ``plan``."""
         if plan is None:
             return
         if hasattr(compiled, "result"):  # a compile future (triton's async compile mode)
             compiled = compiled.result()
-        names = kernel.jit.arg_names
-        assert list(pointers) == names[:len(pointers)], f"{kernel.kind}: pointers must lead the signature"
+        names = jit.arg_names
+        assert list(pointers) == names[:len(pointers)], "the pointers must lead the kernel's signature"
         if len(self.plans) >= self.max_plans:
             self.plans.clear()
         self.plans[plan] = (compiled[grid], tuple(args[name] for name in names[len(pointers):]))
