@@ -120,18 +120,22 @@ def graph_median_ms(fn, rep: int = 100, grad_to_none=None) -> float:
 # --- where a number was measured ------------------------------------------------------------------
 
 def commit() -> str:
-    """The checkout's short commit, with ``+changes`` when the tree differs from it; outside git (a copy
-    of the tree on a GPU box) the ``NANOFLASH_COMMIT`` the copy was made from, else ``unknown``."""
+    """``NANOFLASH_COMMIT`` when set (a copy of the tree on a GPU box, whose own git data may be stale:
+    the commit the copy was made from), else the checkout's short commit, with ``+changes`` when the
+    tree differs from it, else ``unknown``."""
+    if os.environ.get("NANOFLASH_COMMIT"):
+        return os.environ["NANOFLASH_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
 
     try:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode:
-            return os.environ.get("NANOFLASH_COMMIT", "unknown")
+            return "unknown"
         changed = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("NANOFLASH_COMMIT", "unknown")
+        return "unknown"
     return head.stdout.strip() + ("+changes" if changed else "")
 
 

@@ -42,7 +42,7 @@ copy() {  # copy SRC DST: a result into $OUT, or a line saying it is missing
     if [ -f "$1" ]; then cp "$1" "$OUT/$2"; else echo "missing: $1 (see run.log)" > "$OUT/$2"; fi
 }
 
-{ echo "# perf_round $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo "${NANOFLASH_COMMIT:-?}")"
+{ echo "# perf_round $(date -u +%FT%TZ), commit ${NANOFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   $PY -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1; } >> "$LOG" 2>&1
