@@ -233,9 +233,10 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_and_candidates(monkey
 
 
 def _launches_of(monkeypatch, call) -> dict:
-    """{kind: (kernel, pointers, args)} of the launches ``call()`` makes through ``launch.LAUNCHER``
-    (recorded, not run), each kernel with its JIT function as on a GPU: the interpreter's stand-in
-    has no parameter list to read the key's names from."""
+    """{kind: (kernel, pointers, args)} of the tile kernels' launches ``call()`` makes through
+    ``launch.LAUNCHER`` (recorded, not run), each kernel with its JIT function as on a GPU: the
+    interpreter's stand-in has no parameter list to read the key's names from. The gate's scan
+    kernels (``launch_fixed``) are not run either: the CPU tensors here launch nothing on a GPU box."""
     from triton.runtime.jit import JITFunction
 
     launches = {}
@@ -246,6 +247,7 @@ def _launches_of(monkeypatch, call) -> dict:
                                  {**pointers, **scales, **ints})
 
     monkeypatch.setattr(launch.LAUNCHER, "launch", record)
+    monkeypatch.setattr(launch.LAUNCHER, "launch_fixed", lambda *args, **kwargs: None)
     monkeypatch.setattr(launch.LAUNCHER, "replay", False)
     call()
     return launches
