@@ -37,6 +37,12 @@ def tiny_config(cache_dir: str, **trainer) -> TrainConfig:
     )
 
 
+def device_for(backend: str) -> str:
+    """Where a test runs ``backend``: flash on the GPU when there is one (it runs on CUDA tensors only;
+    without a GPU, on the CPU under Triton's interpreter), every other backend on the CPU."""
+    return "cuda" if backend == "flash" and torch.cuda.is_available() else "cpu"
+
+
 def run_env() -> dict:
     """Environment for `python train.py` subprocesses: the repo importable (ahead of any PYTHONPATH
     already set, which may hold the packages), no GPU, no wandb calls."""

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import device_for, tiny_config
 from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import BACKENDS as TABLE, Attention, build_attention, hybrid, naive, sdpa, tiled
@@ -190,7 +190,7 @@ def test_the_attention_receives_dropout_p_only_in_training(packed, dropout, atte
 
 
 def built(name: str) -> Attention:
-    attention, ran = build_attention(AttentionConfig(name=name, strict=True), torch.device("cpu"))
+    attention, ran = build_attention(AttentionConfig(name=name, strict=True), torch.device(device_for(name)))
     assert ran == name
     return attention
 
@@ -199,11 +199,11 @@ def built(name: str) -> Attention:
 def test_evaluation_with_dropout_is_deterministic_and_equals_no_dropout(name):
     """Eval mode: the same loss twice, bitwise the loss of the same weights built without dropout;
     training mode with attention dropout only: the loss changes from call to call."""
-    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)).to(device_for(name))
     losses = {}
     for p in (0.0, 0.5):
         torch.manual_seed(0)
-        model = small_gpt(built(name), dropout=0.0, attention_dropout=p)
+        model = small_gpt(built(name), dropout=0.0, attention_dropout=p).to(device_for(name))
         model.eval()
         with torch.no_grad():
             losses[p] = [model(x, x)[1] for _ in range(2)]
@@ -219,7 +219,8 @@ def test_a_run_with_attention_dropout_trains_with_every_backend(tmp_path, data_c
     there runs under Triton's interpreter (about 2.5 s a step), so for 8 steps of 4 sequences."""
     interpreted = name == "flash" and not torch.cuda.is_available()
     steps, batch, drop = (8, 4, 0.2) if interpreted else (30, 8, 0.3)
-    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1)
+    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
+                      device=device_for(name))
     cfg.model = dataclasses.replace(cfg.model, dropout=0.0, attention_dropout=0.3)
     cfg.attention.name, cfg.attention.strict = name, True
     validate(cfg)

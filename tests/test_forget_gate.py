@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import device_for, tiny_config
 from errors import UserError
 from kernels.flash_attention.reference import attention_ref
 from model import GPT, ModelConfig
@@ -195,7 +195,8 @@ def test_a_gated_run_without_positions_trains_with_every_backend(tmp_path, data_
     there runs under Triton's interpreter, so for 6 steps of 4 sequences."""
     interpreted = name == "flash" and not CUDA
     steps, batch, drop = (6, 4, 0.2) if interpreted else (20, 8, 0.3)
-    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1)
+    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
+                      device=device_for(name))
     cfg.model = dataclasses.replace(cfg.model, dropout=0.0, gate="forget", pos="none")
     cfg.attention.name, cfg.attention.strict = name, True
     validate(cfg)
