@@ -1,6 +1,6 @@
 """Draw the plots of docs/BENCHMARKS.md that no benchmark script draws, from the raw results in docs/runs/.
 
-    python scripts/plot_runs.py                   # writes docs/img/{flash_anchors,gpt2_end_to_end,fit_gpt2,cross_entropy,scaling_2xh200}.png
+    python scripts/plot_runs.py                   # writes docs/img/{flash_anchors,gpt2_end_to_end,fit_gpt2,cross_entropy,scaling_2xh200,baby_gpt_2026-11-24}.png
     python scripts/plot_runs.py --out /tmp/img    # elsewhere
 
 The attention plots (anchors, T sweep, 8 GiB budget) come from bench_attention.py itself:
@@ -96,6 +96,24 @@ def gpt2_end_to_end(out: Path) -> None:
          f"{H100}, 2026-11-23, commit a4d2d8d")
 
 
+def baby_gpt(out: Path) -> None:
+    """Validation loss against step of nanoGPT's baby GPT and of experiment=shakespeare_char with each backend."""
+    day = RUNS / "2026-11-24"
+    nanogpt = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", (day / "baby_gpt" / "nanogpt.log").read_text())
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([int(s) for s, _ in nanogpt], [float(v) for _, v in nanogpt], "k-", lw=2, label="nanoGPT (its SDPA)")
+    for folder, backend in (("baby_gpt", "flash"), *(("baby_backends", b) for b in ("sdpa", "naive", "hybrid", "tiled"))):
+        records = [json.loads(line) for line in (day / folder / f"ours_{backend}.metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in records if r.get("val_loss") is not None]
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "-" if backend == "flash" else ":",
+                label=f"nanoflash attention={backend}")
+    ax.set(xlabel="step", ylabel="validation loss", ylim=(1.4, 2.6), title="baby GPT on Tiny Shakespeare (char)")
+    ax.axhline(1.47, color="grey", lw=0.5)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, out, "baby_gpt_2026-11-24.png", f"{H100}, 2026-11-24, commits 068d4a3 (nanoGPT, flash) and 375cf3b (others)")
+
+
 def fit_rows() -> list[tuple[float, str, int, int]]:
     """(budget GiB, backend, largest batch at T=1024, longest T at batch 1), without activation checkpointing."""
     rows = [(float(budget), backend, int(batch), int(longest))
@@ -151,7 +169,7 @@ def scaling(out: Path) -> None:
     save(fig, out, "scaling_2xh200.png", "2 x NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23, commit 849785f")
 
 
-PLOTS = (flash_anchors, gpt2_end_to_end, fit_gpt2, cross_entropy, scaling)
+PLOTS = (flash_anchors, gpt2_end_to_end, fit_gpt2, cross_entropy, scaling, baby_gpt)
 
 
 def main(argv=None) -> None:
