@@ -1,4 +1,7 @@
 """Shared fixtures: a token cache prepared once per session, and tiny training configs."""
+import dataclasses
+import json
+import math
 import os
 from pathlib import Path
 
@@ -41,6 +44,24 @@ def device_for(backend: str) -> str:
     """Where a test runs ``backend``: flash on the GPU when there is one (it runs on CUDA tensors only;
     without a GPU, on the CPU under Triton's interpreter), every other backend on the CPU."""
     return "cuda" if backend == "flash" and torch.cuda.is_available() else "cpu"
+
+
+def check_a_short_run_learns(tmp_path, data_cache, backend: str, steps: int, batch: int, drop: float, **model) -> None:
+    """Train the tiny model ``steps`` steps of ``batch`` sequences with ``backend`` (strict) and the
+    ``model`` settings (dropout 0 unless given): every loss finite, and the last below the first by
+    more than ``drop``."""
+    from training.config import validate
+    from training.loop import train
+
+    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
+                      device=device_for(backend))
+    cfg.model = dataclasses.replace(cfg.model, **{"dropout": 0.0, **model})
+    cfg.attention.name, cfg.attention.strict = backend, True
+    validate(cfg)
+    summary = train(cfg, tmp_path)
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert summary["backend"] == backend and len(losses) == steps and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] - drop, losses
 
 
 def run_env() -> dict:

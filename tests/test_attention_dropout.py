@@ -9,20 +9,17 @@ attention layer passes dropout_p in training only, so evaluation is deterministi
 with attention dropout trains.
 """
 import dataclasses
-import json
-import math
 
 import pytest
 import torch
 
-from conftest import device_for, tiny_config
+from conftest import check_a_short_run_learns, device_for, tiny_config
 from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import BACKENDS as TABLE, Attention, build_attention, hybrid, naive, sdpa, tiled
 from model.config import AttentionConfig
 from test_attention_backends import random_doc_ids, reference_probs
 from training.config import validate
-from training.loop import train
 
 BACKENDS = {
     "naive": naive.attend,
@@ -219,15 +216,7 @@ def test_a_run_with_attention_dropout_trains_with_every_backend(tmp_path, data_c
     there runs under Triton's interpreter (about 2.5 s a step), so for 8 steps of 4 sequences."""
     interpreted = name == "flash" and not torch.cuda.is_available()
     steps, batch, drop = (8, 4, 0.2) if interpreted else (30, 8, 0.3)
-    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
-                      device=device_for(name))
-    cfg.model = dataclasses.replace(cfg.model, dropout=0.0, attention_dropout=0.3)
-    cfg.attention.name, cfg.attention.strict = name, True
-    validate(cfg)
-    summary = train(cfg, tmp_path)
-    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    assert summary["backend"] == name and len(losses) == steps and all(math.isfinite(loss) for loss in losses)
-    assert losses[-1] < losses[0] - drop, losses
+    check_a_short_run_learns(tmp_path, data_cache, name, steps, batch, drop, attention_dropout=0.3)
 
 
 def test_attention_dropout_is_checked_against_the_backend_and_its_range(monkeypatch, data_cache):

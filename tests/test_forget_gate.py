@@ -8,13 +8,12 @@ gradient. Then: the model trains with the gate on every backend, pos=none runs, 
 resumes and samples, and a misspelt gate fails with the valid choices.
 """
 import dataclasses
-import json
 import math
 
 import pytest
 import torch
 
-from conftest import device_for, tiny_config
+from conftest import check_a_short_run_learns, tiny_config
 from errors import UserError
 from kernels.flash_attention.reference import attention_ref
 from model import GPT, ModelConfig
@@ -195,15 +194,7 @@ def test_a_gated_run_without_positions_trains_with_every_backend(tmp_path, data_
     there runs under Triton's interpreter, so for 6 steps of 4 sequences."""
     interpreted = name == "flash" and not CUDA
     steps, batch, drop = (6, 4, 0.2) if interpreted else (20, 8, 0.3)
-    cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
-                      device=device_for(name))
-    cfg.model = dataclasses.replace(cfg.model, dropout=0.0, gate="forget", pos="none")
-    cfg.attention.name, cfg.attention.strict = name, True
-    validate(cfg)
-    summary = train(cfg, tmp_path)
-    losses = [r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    assert summary["backend"] == name and len(losses) == steps and all(math.isfinite(loss) for loss in losses)
-    assert losses[-1] < losses[0] - drop, losses
+    check_a_short_run_learns(tmp_path, data_cache, name, steps, batch, drop, gate="forget", pos="none")
 
 
 def test_a_gated_checkpoint_resumes_and_samples(tmp_path, data_cache, capsys):
