@@ -121,10 +121,15 @@ def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
     qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
 
+    gate = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0).requires_grad_()
+
     def ours():
         torch.autograd.grad(flash_attn(qg, kg, vg), (qg, kg, vg), do)
 
-    steps = {"flash": ours, "sdpa-fa2": sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh),
+    def ours_gated():
+        torch.autograd.grad(flash_attn(qg, kg, vg, g=gate), (qg, kg, vg, gate), do)
+
+    steps = {"flash": ours, "flash, forget gate": ours_gated, "sdpa-fa2": sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh),
              "sdpa-cudnn": sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh)}
     result = {}
     for name, step in steps.items():
@@ -158,17 +163,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for profile.json and profile.md")
     p.add_argument("--host-shape", type=int, nargs=4, default=[1, 2, 128, 64], metavar=("B", "H", "T", "D"))
+    p.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"B,H,T,D;B,H,T,D" (default: the two D=64 anchors and (64,12,512,64))')
     args = p.parse_args(argv)
     require_cuda("profile_flash.py", "measures CUDA launches and kernels",
                  "scripts/bench_attention.py --device cpu runs every backend")
     dtype = torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
     report = {**environment(CUDA), "host_shape": args.host_shape, "host": host_pieces(*args.host_shape, dtype), "shapes": {}}
-    for shape in SHAPES:  # written after each part, so a failure later keeps what was measured
+    for shape in args.shapes:  # written after each part, so a failure later keeps what was measured
         write(report, args.out)
         report["shapes"][str(shape)] = shape_profile(*shape, dtype)
     print(write(report, args.out))
