@@ -50,6 +50,18 @@ from .launch import LAUNCHER, Kernel, next_power_of_2
 
 
 @triton.jit
+def _query_rows(lse_base, delta_base, c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, HAS_GATE: tl.constexpr):
+    """(lse2, delta) of query rows ``offs_m`` (0 past ``seqlen``): the base-2 lse, less the rows'
+    c_i * log2(e) with a gate, and delta. The dK/dV loop loads them one block ahead: small vector
+    loads that Triton's pipeliner leaves in place would otherwise stall every step."""
+    inside = offs_m < seqlen
+    lse2 = tl.load(lse_base + offs_m, mask=inside, other=0.0) * 1.4426950408889634
+    if HAS_GATE:
+        lse2 -= gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, True)
+    return lse2, tl.load(delta_base + offs_m, mask=inside, other=0.0)
+
+
+@triton.jit
 def _dkdv_inner(
     dk, dv, dc_col, k, v,
     q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
@@ -62,27 +74,24 @@ def _dkdv_inner(
     BLOCK_N: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
+    lse2_next, delta_next = _query_rows(lse_base, delta_base, c_hi, c_lo, lo + offs_m0, seqlen, ref_hi, ref_lo,
+                                        HAS_GATE)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen,
                        d_mask, MASKED, EVEN_D)
         do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], offs_m, seqlen,
                         d_mask, MASKED, EVEN_D)
+        lse2 = lse2_next
+        delta = delta_next
+        lse2_next, delta_next = _query_rows(lse_base, delta_base, c_hi, c_lo, offs_m + BLOCK_M, seqlen,
+                                            ref_hi, ref_lo, HAS_GATE)
+        s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
+        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse (lse2)
+            s_t -= gate_k[:, None]
+        p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:
             m_mask = offs_m < seqlen
-            lse = tl.load(lse_base + offs_m, mask=m_mask, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=m_mask, other=0.0)
-        else:
-            lse = tl.load(lse_base + offs_m)
-            delta = tl.load(delta_base + offs_m)
-        s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
-        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse
-            s_t -= gate_k[:, None]
-            lse2 = lse * 1.4426950408889634 - gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)
-            p_t = tl.exp2(s_t - lse2[None, :])
-        else:
-            p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
-        if MASKED:
             valid = m_mask[None, :]
             if IS_CAUSAL:
                 valid = valid & (offs_m[None, :] >= offs_n[:, None])
@@ -244,6 +253,8 @@ def _dq_inner(
     BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
+    if HAS_GATE:  # the first block's c_j, loaded ahead like every next block's
+        gate_next = gate_offsets(c_hi, c_lo, lo + offs_n0, seqlen, ref_hi, ref_lo, True)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n, seqlen,
@@ -252,7 +263,9 @@ def _dq_inner(
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base 2
         if HAS_GATE:  # - c_j * log2(e); the query's c_i is in lse2
-            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
+            gate_n = gate_next
+            gate_next = gate_offsets(c_hi, c_lo, offs_n + BLOCK_N, seqlen, ref_hi, ref_lo, True)
+            s -= gate_n[None, :]
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
             valid = offs_n[None, :] < seqlen

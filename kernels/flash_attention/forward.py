@@ -77,6 +77,8 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
+    if HAS_GATE:  # the first block's c_j, loaded ahead like every next block's (see gate_offsets)
+        gate_next = gate_offsets(c_hi, c_lo, lo + offs_n0, seqlen, ref_hi, ref_lo, True)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n, seqlen,
@@ -85,7 +87,9 @@ def _fwd_inner(
                        d_mask, MASKED, EVEN_D)
         s = _dot(q, tl.trans(k), None, IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], base-2 logits
         if HAS_GATE:  # - c_j * log2(e), relative to the block's first query row (c_i joins the lse)
-            s -= gate_offsets(c_hi, c_lo, offs_n, seqlen, ref_hi, ref_lo, MASKED)[None, :]
+            gate_n = gate_next
+            gate_next = gate_offsets(c_hi, c_lo, offs_n + BLOCK_N, seqlen, ref_hi, ref_lo, True)
+            s -= gate_n[None, :]
         if MASKED:
             valid = offs_n[None, :] < seqlen
             if IS_CAUSAL:
