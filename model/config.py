@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from errors import UserError, check_choice, check_positive
+from errors import UserError, check_choice, check_finite, check_positive
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
@@ -27,6 +27,7 @@ class ModelConfig:
     norm: str = "layernorm"
     pos: str = "learned"  # learned: a position table; rope: rotary q and k; none: no position signal (causality and gates only)
     gate: str = "none"  # forget: a per-head forget gate on the attention scores (FoX, model/gpt.py)
+    gate_bias_init: float = 3.0  # forget gate's bias at init: gates start at sigmoid(3) = 0.95 (0: FoX's code, 0.5)
     mlp: str = "gelu"
     activation_checkpointing: bool = False
     loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
@@ -70,6 +71,7 @@ def validate_model(cfg: ModelConfig) -> None:
         raise UserError(f"model.dropout={cfg.dropout} must be in [0, 1)")
     if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
         raise UserError(f"model.attention_dropout={cfg.attention_dropout} must be in [0, 1) (or null for model.dropout's)")
+    check_finite("model.gate_bias_init", float(cfg.gate_bias_init))
     for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("gate", GATES), ("mlp", MLPS)):
         check_choice(f"model.{key}", getattr(cfg, key), choices)
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:

@@ -53,11 +53,11 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = cfg.attention_dropout_p  # of the attention probabilities, inside the backend
         # model.gate=forget (the Forgetting Transformer, FoX: Lin et al., ICLR 2025): a forget gate
         # f = sigmoid(w.x + b) per token and query head, whose logs g = log f <= 0 sum into the decay
-        # c_i - c_j the backend adds to the scores. FoX initialises its data-dependent gate like every
-        # other projection (weight N(0, 0.02), bias 0: _init_weights below does the same), so gates
-        # start near sigmoid(0) = 0.5 and the model learns how far each head looks back; FoX's
-        # decay-time bias init is for its data-independent gates only. Like every Linear, the weight
-        # decays and the bias does not (training/optim.py).
+        # c_i - c_j the backend adds to the scores. The weight starts like every other projection's
+        # (N(0, 0.02)); the bias starts at model.gate_bias_init (GPT.__init__), 3 by default, so gates
+        # start near 1 (0.95: a head looks ~20 tokens back) and training shortens or lengthens each
+        # head's memory. FoX's code starts the bias at 0 (gates 0.5); gate_bias_init=0 does the same.
+        # Like every Linear, the weight decays and the bias does not (training/optim.py).
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=True) if cfg.gate == "forget" else None
         self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
@@ -132,6 +132,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
+        for block in self.blocks:
+            if block.attn.gate_proj is not None:
+                nn.init.constant_(block.attn.gate_proj.bias, cfg.gate_bias_init)
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases."""

@@ -19,7 +19,7 @@ from kernels.flash_attention.reference import attention_ref
 from model import GPT, ModelConfig
 from model.attention import BACKENDS as TABLE, Attention, build_attention, flash, naive
 from model.attention.masks import cu_seqlens_from_doc_ids
-from model.config import AttentionConfig
+from model.config import AttentionConfig, validate_model
 from test_attention_backends import random_doc_ids
 from test_attention_dropout import BACKENDS as PYTORCH_BACKENDS, RecordingAttention
 from training.config import validate
@@ -151,8 +151,8 @@ def test_model_with_gate_matches_the_reference_including_the_gate_projection(nam
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_the_attention_receives_log_gates_in_training_evaluation_and_sampling(packed):
-    """g: (B, T, n_head) float32, <= 0, in every mode (unlike dropout); FoX's init (bias 0, weight
-    N(0, 0.02)) starts the gates around sigmoid(0) = 0.5."""
+    """g: (B, T, n_head) float32, <= 0, in every mode (unlike dropout); the default init (bias
+    model.gate_bias_init = 3, weight N(0, 0.02)) starts the gates near 1, around sigmoid(3) = 0.953."""
     recorder = RecordingAttention()
     model = gated_gpt(Attention("recording", recorder.attend, recorder.packed if packed else None), torch.float32)
     x = torch.randint(0, 64, (3, 24))
@@ -164,8 +164,16 @@ def test_the_attention_receives_log_gates_in_training_evaluation_and_sampling(pa
         assert set(options) == {"g"}
         g = options["g"]
         assert g.dtype == torch.float32 and g.shape[0] == 3 and g.shape[2] == 4 and (g <= 0).all()
-        assert abs(g.exp().mean().item() - 0.5) < 0.03
-    assert all(torch.equal(b.attn.gate_proj.bias, torch.zeros(4)) for b in model.blocks)
+        assert abs(g.exp().mean().item() - 0.953) < 0.01
+    assert all(torch.equal(b.attn.gate_proj.bias, torch.full((4,), 3.0)) for b in model.blocks)
+
+
+def test_gate_bias_init_sets_where_the_gates_start_and_must_be_finite():
+    """model.gate_bias_init=0 is FoX's code (gates around 0.5); NaN is refused at the edge."""
+    model = gated_gpt(build_attention(AttentionConfig(name="naive"), torch.device("cpu"))[0], gate_bias_init=0.0)
+    assert all(torch.equal(b.attn.gate_proj.bias, torch.zeros(4, dtype=torch.float64)) for b in model.blocks)
+    with pytest.raises(UserError, match="model.gate_bias_init=nan is not a finite number"):
+        validate_model(ModelConfig(gate="forget", gate_bias_init=float("nan")))
 
 
 def test_gate_none_and_pos_none_build_what_they_say():
