@@ -50,14 +50,20 @@ from .launch import LAUNCHER, Kernel, next_power_of_2
 
 
 @triton.jit
-def _query_rows(lse_base, delta_base, offs_m, seqlen):
-    """(lse * log2(e), delta) of query rows ``offs_m`` (0 past ``seqlen``). Without a gate the
-    dK/dV loop loads them one block ahead: small vector loads that Triton's pipeliner leaves in
-    place stall every step (ahead: dK/dV 7-10% faster on the H100). With a gate it loads them in
-    place: ahead, the gated kernel ran 14-19% slower at D=128 (docs/KERNEL.md)."""
-    inside = offs_m < seqlen
-    return (tl.load(lse_base + offs_m, mask=inside, other=0.0) * 1.4426950408889634,
-            tl.load(delta_base + offs_m, mask=inside, other=0.0))
+def _query_rows(lse_base, delta_base, offs_m, seqlen, CHECK: tl.constexpr):
+    """(lse * log2(e), delta) of query rows ``offs_m``; with ``CHECK``, 0 past ``seqlen``. Without
+    a gate the dK/dV loop loads them one block ahead: small vector loads that Triton's pipeliner
+    leaves in place stall every step (ahead: dK/dV 7-10% faster on the H100). With a gate it loads
+    them in place, unmasked in full blocks: ahead, or always masked, the gated kernel ran 4-19%
+    slower (docs/KERNEL.md)."""
+    if CHECK:
+        inside = offs_m < seqlen
+        lse = tl.load(lse_base + offs_m, mask=inside, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=inside, other=0.0)
+    else:
+        lse = tl.load(lse_base + offs_m)
+        delta = tl.load(delta_base + offs_m)
+    return lse * 1.4426950408889634, delta
 
 
 @triton.jit
@@ -74,22 +80,23 @@ def _dkdv_inner(
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
     if not HAS_GATE:
-        lse2_next, delta_next = _query_rows(lse_base, delta_base, lo + offs_m0, seqlen)
+        lse2_next, delta_next = _query_rows(lse_base, delta_base, lo + offs_m0, seqlen, True)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, seqlen,
                        d_mask, MASKED, EVEN_D)
         do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], offs_m, seqlen,
                         d_mask, MASKED, EVEN_D)
-        s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
-        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse
-            lse2, delta = _query_rows(lse_base, delta_base, offs_m, seqlen)
-            lse2 -= gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)
-            s_t -= gate_k[:, None]
+        if HAS_GATE:
+            lse2, delta = _query_rows(lse_base, delta_base, offs_m, seqlen, MASKED)
         else:  # one block ahead
             lse2 = lse2_next
             delta = delta_next
-            lse2_next, delta_next = _query_rows(lse_base, delta_base, offs_m + BLOCK_M, seqlen)
+            lse2_next, delta_next = _query_rows(lse_base, delta_base, offs_m + BLOCK_M, seqlen, True)
+        s_t = _dot(k, tl.trans(q), None, IEEE) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
+        if HAS_GATE:  # + (c_i - c_j) * log2(e): c_j per score, c_i with the query's lse
+            s_t -= gate_k[:, None]
+            lse2 -= gate_offsets(c_hi, c_lo, offs_m, seqlen, ref_hi, ref_lo, MASKED)
         p_t = tl.exp2(s_t - lse2[None, :])
         if MASKED:
             m_mask = offs_m < seqlen
