@@ -6,6 +6,7 @@
 #   OUT=bench/fox bash scripts/ablation_gate.sh                          # on a GPU: flash, bf16
 #   OUT=/tmp/fox EVAL_ARGS="--batches 2 --tokens 256" bash scripts/ablation_gate.sh trainer.max_steps=4 model.n_layer=1
 #                                                  # extra overrides go to every run; EVAL_ARGS to eval_length.py
+#   OUT=bench/fox bash scripts/ablation_gate.sh model.gate_bias_init=0,3  # also sweep where the gates start
 #
 # Writes to $OUT (7 files): ablation.md (environment, command, table), length.json, metrics.jsonl
 # (every run's records, each tagged with its run), loss_vs_step.png, loss_vs_time.png, train.log,

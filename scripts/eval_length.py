@@ -90,15 +90,17 @@ def evaluate_run(folder: Path, args, device, dtype) -> dict:
         load_into_plain_model(path, state, model)
         results[factor] = val_loss(model, data, length, args, device, dtype)
     return {"checkpoint": str(path), "step": state["step"], "gate": trained.gate, "pos": trained.pos,
+            "gate_bias_init": trained.gate_bias_init if trained.gate == "forget" else None,
             "block_size": trained.block_size, "losses": results}
 
 
 def markdown(rows: list, factors: list) -> str:
-    heads = ["run", "model.gate", "model.pos", "steps", "final val loss", "tokens/s"]
+    heads = ["run", "model.gate", "model.pos", "model.gate_bias_init", "steps", "final val loss", "tokens/s"]
     heads += [f"val loss at {f}x ({f * rows[0]['block_size']} tokens)" for f in factors]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
-        cells = [r["run"], r["gate"], r["pos"], str(r["step"]), fmt("val_loss", r["val_loss"]),
+        bias = "-" if r["gate_bias_init"] is None else f"{r['gate_bias_init']:g}"
+        cells = [r["run"], r["gate"], r["pos"], bias, str(r["step"]), fmt("val_loss", r["val_loss"]),
                  fmt("tokens_per_s", r["tokens_per_s"])]
         cells += [v if isinstance(v, str) else f"{v:.4f}" for v in (r["losses"][f] for f in factors)]
         lines.append("| " + " | ".join(cells) + " |")

@@ -218,7 +218,7 @@ def test_a_gated_checkpoint_resumes_and_samples(tmp_path, data_cache, capsys):
     assert "---" in capsys.readouterr().out
     eval_length.main([str(tmp_path), "--factors", "1", "2", "--batches", "1", "--tokens", "64", "--device", "cpu"])
     row = capsys.readouterr().out.splitlines()[-1].split(" | ")
-    assert row[1:3] == ["forget", "rope"] and all(math.isfinite(float(x.strip(" |"))) for x in row[-2:]), row
+    assert row[1:4] == ["forget", "rope", "3"] and all(math.isfinite(float(x.strip(" |"))) for x in row[-2:]), row
     cfg.model.gate = "none"  # a gated checkpoint does not resume an ungated model
     with pytest.raises(UserError, match="was made with model.gate=forget but this run has model.gate=none"):
         train(cfg, tmp_path)
