@@ -6,6 +6,7 @@ same shape, FLOP count and timing mean the same thing in every table of docs/BEN
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import statistics
@@ -43,6 +44,25 @@ def require_cuda(script: str, what: str, instead: str) -> None:
     """
     if not torch.cuda.is_available():
         fail(f"{script} {what} and needs a CUDA GPU; on CPU {instead}")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    """``"B,H,T,D;B,H,T,D"`` as (B, H, T, D) tuples: an argparse ``type``, so a wrong value is one
+    usage line (exit status 2) before anything runs."""
+    shapes = []
+    for part in filter(None, text.split(";")):
+        try:
+            shape = tuple(int(x) for x in part.split(","))
+        except ValueError:
+            shape = ()
+        if len(shape) != 4 or min(shape) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not B,H,T,D (four positive integers); shapes are separated by ';', "
+                "e.g. '16,12,1024,64;4,12,2048,64'")
+        shapes.append(shape)
+    if not shapes:
+        raise argparse.ArgumentTypeError("no B,H,T,D shape given, e.g. '16,12,1024,64;4,12,2048,64'")
+    return shapes
 
 
 def first_line(err: Exception, width: int = 200) -> str:

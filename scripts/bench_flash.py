@@ -53,7 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
-                                  forced_sdpa, graph_median_ms, median_ms, relative_error, require_cuda, tflops)
+                                  forced_sdpa, graph_median_ms, median_ms, parse_shapes, relative_error, require_cuda,
+                                  tflops)
 
 CUDA = torch.device("cuda")
 
@@ -431,7 +432,7 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     ap.add_argument("--graphs", action="store_true",
                     help="also time replays of captured CUDA graphs (no launch overhead)")
-    ap.add_argument("--shapes", default=None, help="e.g. '16,12,1024,64;4,12,2048,64'")
+    ap.add_argument("--shapes", type=parse_shapes, default=None, help="B,H,T,D;B,H,T,D (default: the six anchors)")
     ap.add_argument("--dropout", type=float, default=None, metavar="P",
                     help="measure the cost of attention dropout P (0 < P < 1) against none instead")
     ap.add_argument("--first-call", action="store_true",
@@ -455,8 +456,7 @@ def main() -> None:
     from kernels import flash_attn
     from kernels.flash_attention import launch
 
-    shapes = ANCHORS if not args.shapes else [
-        tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    shapes = args.shapes or ANCHORS
     meta = {
         **environment(CUDA),
         "dtype": "bfloat16",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kernels.flash_attention import flash_attn, launch  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
-from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, require_cuda  # noqa: E402
+from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -161,10 +161,6 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {r['back_to_back_us']:.0f} | {r['do_bench_us']:.0f} | {r['kernels_sum_us']:.0f} "
                          f"| {kernels} |")
     return "\n".join(lines) + "\n"
-
-
-def parse_shapes(text: str) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part]
 
 
 def main(argv=None) -> None:

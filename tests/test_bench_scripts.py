@@ -294,3 +294,17 @@ def test_bench_attention_seed001_preset_picks_its_backends_and_compiles(monkeypa
     assert table[0][5:] == list(bench.SEED001_BACKENDS)
     assert [line.split(" at ")[0] for line in out.splitlines() if line.startswith("# compiled")] == \
         ["# compiled naive", "# compiled hybrid"] * 2  # as measured, then again in the summary
+
+
+@pytest.mark.parametrize("script", ["bench_flash.py", "profile_flash.py"])
+@pytest.mark.parametrize("shapes", ["16,12,1024", "16,12,x,64", "16,12,0,64", ";"])
+def test_a_wrong_shape_list_fails_in_one_line_naming_the_format(tmp_path, script, shapes):
+    proc = run([f"scripts/{script}", "--out", str(tmp_path), "--shapes", shapes])
+    assert proc.returncode == 2 and "argument --shapes" in proc.stderr and "B,H,T,D" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_shape_lists_parse_into_b_h_t_d_tuples():
+    from scripts.bench_common import parse_shapes
+
+    assert parse_shapes("16,12,1024,64;4,12,2048,64;") == [(16, 12, 1024, 64), (4, 12, 2048, 64)]
