@@ -4,7 +4,8 @@
 
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
-   allocations, the launch functions, the public function, the autograd round trip, with our
+   allocations, the launch functions, the public function, the autograd round trip, the floor
+   (the round trip with our allocations and three launches of an empty kernel), with our
    launch plans replayed and not (``LAUNCHER.replay``, kernels/flash_attention/launch.py), next to
    SDPA's FlashAttention-2 and cuDNN.
 2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,6 +74,45 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+@triton.jit
+def _launch_only(X):
+    """Does nothing: launching it costs only host time."""
+
+
+class _LaunchFloor(torch.autograd.Function):
+    """The floor of any Triton attention behind an autograd.Function: the round trip, the
+    allocations our forward and backward make (o, lse; dq, dk, dv, delta) and three launches of an
+    empty kernel (one forward, two backward) through the same ``CompiledKernel[grid]`` call our
+    launch plans replay."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, launch):
+        ctx.launch = launch
+        ctx.save_for_backward(q, k, v)
+        o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        launch(o)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = q.new_empty(q.shape[:3], dtype=torch.float32)
+        ctx.launch(delta)
+        ctx.launch(dq)
+        return dq, dk, dv, None
+
+
+def launch_floor_step(q, k, v, do):
+    """One forward+backward of :class:`_LaunchFloor`; q, k, v require grad."""
+    launch = _launch_only[(1,)](q)[(1, 1, 1)]
+
+    def step():
+        torch.autograd.grad(_LaunchFloor.apply(q, k, v, launch), (q, k, v), do)
+
+    return step
+
+
 def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     """Host microseconds per call of each piece, at a shape small enough to be host-bound."""
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
@@ -87,6 +128,7 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     found = {
         "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
         "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
+        "floor: round trip, our allocations, 3 empty launches": per_call_us(launch_floor_step(qg, kg, vg, do)),
     }
     before = launch.LAUNCHER.replay
     for replay, tag in ((True, "plans on"), (False, "plans off")):
