@@ -16,8 +16,9 @@ from model.attention import BACKENDS
 CPU = torch.device("cpu")
 
 
-def run(args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout)
+def run(args, timeout=300, env=None):
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env or run_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def load_script(name):
@@ -202,7 +203,7 @@ def test_cross_entropy_benchmark_fails_clearly_without_cuda():
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
                 "--modes", "fwd+bwd", "--vram-budget-gb", "2", "--backends", "naive,sdpa,flash,sdpa-fa2,sdpa-cudnn",
-                "--out", str(tmp_path)])
+                "--out", str(tmp_path)], env={k: v for k, v in run_env().items() if k != "CUDA_VISIBLE_DEVICES"})
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert all(r["peak_mb"] is not None for r in rows if r["status"] == "ok")

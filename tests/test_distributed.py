@@ -7,10 +7,12 @@ import sys
 import time
 
 import pytest
+import triton
 
 from conftest import REPO, run_env
 from training.checkpoint import list_checkpoints
 
+INTERPRETER_RUNS_FLASH = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 COMMON = ["model=tiny", "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
           "model.dropout=0.0", "data=shakespeare_char", "trainer.device=cpu", "trainer.dtype=fp32",
           "trainer.log_interval=3", "trainer.eval_interval=6", "trainer.eval_iters=2", "trainer.ckpt_interval=6",
@@ -70,6 +72,9 @@ def test_fsdp_equals_one_process_and_resumes_its_sharded_checkpoint_on_another_w
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("backend", ["naive", "hybrid", "flash"])
 def test_every_attention_backend_trains_under_ddp_and_fsdp(tmp_path, data_cache, kind, backend):
+    if backend == "flash" and not INTERPRETER_RUNS_FLASH:
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run the flash kernel on the CPU (a loop bound "
+                    "computed with tl.minimum is not a 0-d scalar there); triton >= 3.7 runs it")
     env = dict(run_env(), TRITON_INTERPRET="1")  # flash runs our kernel in Triton's interpreter on the CPU
     proc = run(TORCHRUN, tmp_path, data_cache, f"trainer.distributed={kind}", f"attention={backend}",
                "attention.strict=true", "trainer.batch_size=2", "trainer.max_steps=3", "trainer.grad_accum=1", env=env)
