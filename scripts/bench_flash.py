@@ -19,8 +19,9 @@ With ``--first-call`` it measures what a user waits for at a new shape: for a fe
 pairs at a small T, the wall seconds of the first forward+backward call, in a new process with an
 empty Triton cache and an empty nanoflash tuning cache (compilation, and tuning where the shape
 has more than one candidate config), then again in another new process with both caches kept
-(targets: <= 10 s in fp16/bf16 and <= 15 s in fp32 cold, no tuning warm). Writes first_call.json
-and first_call.md; about two minutes on an H100.
+(targets: <= 10 s in fp16/bf16 and <= 15 s in fp32 cold, no tuning warm); with ``--shapes``, at
+those shapes in bf16 instead. Writes first_call.json and first_call.md; about two minutes on an
+H100.
 
     python scripts/bench_flash.py --first-call --out OUTDIR
 
@@ -466,7 +467,8 @@ def main() -> None:
     }
     if args.first_call:
         with tempfile.TemporaryDirectory(prefix="nanoflash-first-call-") as folder:
-            rows = bench_first_calls(FIRST_CALL_SHAPES, Path(folder))
+            first_shapes = [("bf16", *shape) for shape in args.shapes] if args.shapes else FIRST_CALL_SHAPES
+            rows = bench_first_calls(first_shapes, Path(folder))
         meta.update(chosen_configs={}, dtype="per shape", shapes="dtype, B, H, T, D")
         emit(args.out, "first_call", meta, rows, first_call_table(rows, meta))
         return

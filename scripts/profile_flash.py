@@ -8,10 +8,10 @@
    (the round trip with our allocations and three launches of an empty kernel), with our
    launch plans replayed and not (``LAUNCHER.replay``, kernels/flash_attention/launch.py), next to
    SDPA's FlashAttention-2 and cuDNN.
-2. At the given shapes, per call: wall time of back-to-back calls (no L2 flush), wall time with
-   ``triton.testing.do_bench`` (L2 flushed before each call, as the benchmarks do), and the GPU
-   time of each kernel from ``torch.profiler``. Wall time far above the kernels' sum means the
-   call is host-bound.
+2. At the given shapes, per call: the host's time to issue back-to-back calls, their wall time (no
+   L2 flush), wall time with ``triton.testing.do_bench`` (L2 flushed before each call, as the
+   benchmarks do), and the GPU time of each kernel from ``torch.profiler``. Wall time far above
+   the kernels' sum, and equal to the time to issue, means the call is host-bound.
 
 Needs a CUDA GPU.
 """
@@ -38,8 +38,10 @@ CUDA = torch.device("cuda")
 SHAPES = [*ANCHORS[:2], (64, 12, 512, 64)]  # (B, H, T, D): the two D=64 anchors and a shorter one
 
 
-def per_call_us(fn, calls: int = 300) -> float:
-    """Median over 5 rounds of the mean wall time of ``calls`` back-to-back calls, in microseconds."""
+def enqueue_and_wall_us(fn, calls: int = 300) -> tuple[float, float]:
+    """Microseconds per call of ``calls`` back-to-back calls (median of 5 rounds): the host's time to
+    issue them (before the closing synchronize) and the wall time until the GPU is done. Equal
+    figures mean the host sets the pace: the GPU waits for each launch."""
     fn()
     torch.cuda.synchronize()
     rounds = []
@@ -47,9 +49,15 @@ def per_call_us(fn, calls: int = 300) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        issued = time.perf_counter()
         torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-    return sorted(rounds)[2]
+        rounds.append(((issued - start) / calls * 1e6, (time.perf_counter() - start) / calls * 1e6))
+    return sorted(rounds, key=lambda r: r[1])[2]
+
+
+def per_call_us(fn, calls: int = 300) -> float:
+    """Median wall microseconds per call of back-to-back calls (:func:`enqueue_and_wall_us`)."""
+    return enqueue_and_wall_us(fn, calls)[1]
 
 
 def sdpa_step(kernel: str, q, k, v, do):
@@ -179,8 +187,10 @@ def shape_profile(B: int, H: int, T: int, D: int, dtype) -> dict:
             kernels = kernel_times_us(step)
         except Exception as err:  # a profiler that does not report per-kernel times here
             kernels = {f"profiler failed: {type(err).__name__}: {err}"[:80]: 0.0}
+        enqueue_us, back_to_back_us = enqueue_and_wall_us(step, calls=50)
         result[name] = {
-            "back_to_back_us": per_call_us(step, calls=50),
+            "enqueue_us": enqueue_us,
+            "back_to_back_us": back_to_back_us,
             "do_bench_us": median_ms(step, CUDA) * 1e3,
             "kernels_us": kernels,
             "kernels_sum_us": sum(kernels.values()),
@@ -196,12 +206,12 @@ def markdown(report: dict) -> str:
     lines += [f"| {name} | {us:.1f} |" for name, us in report["host"].items()]
     for shape, found in report["shapes"].items():
         lines += ["", f"## {shape}, bf16, forward+backward", "",
-                  "| backend | back-to-back us | do_bench us (L2 flushed) | sum of kernels us | kernels |",
-                  "|---|---|---|---|---|"]
+                  "| backend | host us to issue | back-to-back us | do_bench us (L2 flushed) | sum of kernels us | kernels |",
+                  "|---|---|---|---|---|---|"]
         for name, r in found.items():
             kernels = "; ".join(f"{k} {v:.0f}" for k, v in sorted(r["kernels_us"].items(), key=lambda kv: -kv[1]))
-            lines.append(f"| {name} | {r['back_to_back_us']:.0f} | {r['do_bench_us']:.0f} | {r['kernels_sum_us']:.0f} "
-                         f"| {kernels} |")
+            lines.append(f"| {name} | {r['enqueue_us']:.0f} | {r['back_to_back_us']:.0f} | {r['do_bench_us']:.0f} "
+                         f"| {r['kernels_sum_us']:.0f} | {kernels} |")
     return "\n".join(lines) + "\n"
 
 
