@@ -115,6 +115,16 @@ def test_plot_runs_draws_the_docs_plots_from_the_raw_runs(tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000
 
 
+def test_flex_is_compiled_for_static_shapes(monkeypatch):
+    """One bench run times flex at several T: with Dynamo's automatic dynamic shapes the second T
+    would get a shape-generic kernel, slower than what a model at one T runs."""
+    bench = load_script("bench_attention")
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.update(kwargs) or fn)
+    bench.flex_attention_fn()
+    assert seen.get("dynamic") is False
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args,message", [
     (["--device", "cpu", "--vram-budget-gb", "8"], "--vram-budget-gb caps GPU memory and needs a CUDA GPU"),
