@@ -121,7 +121,7 @@ def _dkdv_inner(
     return dk, dv, dc_col
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
+@triton.jit(do_not_specialize=["WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_SEQLENS, RNG, C_HI, C_LO, DC,
     qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
@@ -293,7 +293,7 @@ def _dq_inner(
     return dq, dc_row
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
+@triton.jit(do_not_specialize=["WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_bwd_dq_kernel(
     Q, K, V, O, DO, LSE, DLSE, DELTA, DQ, CU_SEQLENS, RNG, C_HI, C_LO, DC,
     qk_scale, sm_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,

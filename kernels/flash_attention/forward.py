@@ -115,7 +115,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["T", "WINDOW", "DROPOUT_THRESHOLD"])
+@triton.jit(do_not_specialize=["WINDOW", "DROPOUT_THRESHOLD"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CU_SEQLENS, RNG, C_HI, C_LO,
     qk_scale, dropout_scale, T, H, G, WINDOW, DROPOUT_THRESHOLD,
