@@ -64,11 +64,14 @@ def check_a_short_run_learns(tmp_path, data_cache, backend: str, steps: int, bat
     assert losses[-1] < losses[0] - drop, losses
 
 
-def run_env() -> dict:
+def run_env(gpu: bool = False) -> dict:
     """Environment for `python train.py` subprocesses: the repo importable (ahead of any PYTHONPATH
-    already set, which may hold the packages), no GPU, no wandb calls."""
+    already set, which may hold the packages), no wandb calls, and no GPU unless ``gpu`` (then the
+    GPUs this process sees)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", WANDB_MODE="disabled")
+    env = dict(os.environ, PYTHONPATH=path, WANDB_MODE="disabled")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("TRITON_INTERPRET", None)
     return env
 

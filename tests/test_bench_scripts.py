@@ -21,11 +21,6 @@ def run(args, timeout=300, env=None):
                           timeout=timeout)
 
 
-def gpu_env():
-    """``run_env`` with the GPU left visible, for the scripts' GPU tests."""
-    return {k: v for k, v in run_env().items() if k != "CUDA_VISIBLE_DEVICES"}
-
-
 def load_script(name):
     spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -218,7 +213,7 @@ def test_cross_entropy_benchmark_fails_clearly_without_cuda():
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
                 "--modes", "fwd+bwd", "--vram-budget-gb", "2", "--backends", "naive,sdpa,flash,sdpa-fa2,sdpa-cudnn",
-                "--out", str(tmp_path)], env=gpu_env())
+                "--out", str(tmp_path)], env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert all(r["peak_mb"] is not None for r in rows if r["status"] == "ok")
@@ -228,7 +223,7 @@ def test_bench_attention_on_gpu_under_a_budget(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_flash_on_gpu_reports_every_host_piece_and_each_kernel(tmp_path):
     proc = run(["scripts/profile_flash.py", "--out", str(tmp_path), "--shapes", "1,2,256,64"],
-               env=gpu_env())
+               env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "profile.json").read_text())
     assert "floor: round trip, our allocations, 3 empty launches" in report["host"]
