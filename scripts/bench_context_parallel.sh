@@ -4,6 +4,7 @@
 #   bash scripts/bench_context_parallel.sh corpus                         # bench/cp/corpus.txt: Tiny Shakespeare x60
 #   bash scripts/bench_context_parallel.sh longest 1 bench/cp/longest-1   # longest T at batch 1 on one GPU
 #   bash scripts/bench_context_parallel.sh longest 2 bench/cp/longest-2   # ... with trainer.context_parallel=2 on 2 GPUs
+#   bash scripts/bench_context_parallel.sh trial 2 786432 bench/cp/trial  # one of longest's trials: does T train?
 #   bash scripts/bench_context_parallel.sh throughput bench/cp/throughput # T=32768: cp=2 vs DDP, 2 GPUs each
 #   bash scripts/bench_context_parallel.sh curve bench/cp/curve           # 100 steps at T=32768: cp=2 vs one GPU
 #   bash scripts/bench_context_parallel.sh curve-one bench/cp/curve       # the curve's one-GPU run alone (e.g. on
@@ -123,14 +124,15 @@ print(f"{len(one)} steps; largest relative loss difference {abs(one[worst] - cp[
 EOF
 }
 
-what=${1:?"corpus | longest N OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT"}
+what=${1:?"corpus | longest N OUT | trial N T OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT"}
 shift
 case "$what" in
     corpus) make_corpus ;;
     longest) n=$1 out=$2; shift 2; EXTRA=("$@"); longest "$n" "$out" ;;
+    trial) n=$1 T=$2 out=$3; shift 3; EXTRA=("$@"); echo "| GPUs | T | result | peak MB | seconds |"; fits "$n" "$T" "$out" ;;
     throughput) out=$1; shift; EXTRA=("$@"); throughput "$out" ;;
     curve) out=$1; shift; EXTRA=("$@"); curve_one "$out"; curve_cp2 "$out"; curve_compare "$out" ;;
     curve-one) out=$1; shift; EXTRA=("$@"); curve_one "$out" ;;
     curve-cp2) out=$1; shift; EXTRA=("$@"); curve_cp2 "$out"; curve_compare "$out" ;;
-    *) echo "unknown: $what (corpus | longest N OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT)" >&2; exit 2 ;;
+    *) echo "unknown: $what (corpus | longest N OUT | trial N T OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT)" >&2; exit 2 ;;
 esac
