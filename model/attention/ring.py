@@ -18,9 +18,7 @@ Backward, N steps again: the key/value shards travel the same way, each rank rec
 with the saved output and log-sum-exp of the whole attention (``ring_steps``), adds the block's dq
 to its own and its dk, dv to an fp32 accumulator that travels with the shard, one hop behind it.
 After N hops each accumulator is back with the rank that owns those keys. Both transfers overlap
-the next block's computation. The last hop home has no next block: so the local block is done in
-three chunk-sized pieces, and the last (the second local chunk against itself) is kept back to
-run under that hop.
+the next block's computation.
 
 Saved for backward: q, k, v (the local shards), o (B, T/N, H, D) and lse (B, H, T/N) float32 --
 O(T/N) per rank. In flight per rank: two key/value shards (the one in use, the one arriving), and
@@ -132,14 +130,6 @@ def _ring_forward(q, k, v, group, rank: int, n: int, step: StepAttention, scale:
     return out, lse
 
 
-def _local_pieces(half: int):
-    """The local causal block (step 0) in pieces of one chunk each, as (query rows, key rows, causal):
-    the two the backward computes first, and the one it keeps for last (the second chunk against
-    itself), to run while the last accumulator hop is on its way home."""
-    first, second = slice(0, half), slice(half, None)
-    return [(first, first, True), (second, first, False)], (second, second, True)
-
-
 def _ring_backward(do, q, k, v, o, lse, group, rank: int, n: int, step: StepAttention, scale: float):
     """The N steps of the backward. Returns dq (accumulation dtype) and this rank's dk, dv."""
     half, h_kv = q.shape[1] // 2, k.shape[2]
@@ -147,33 +137,21 @@ def _ring_backward(do, q, k, v, o, lse, group, rank: int, n: int, step: StepAtte
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # travels with the shard, one hop behind
-
-    def block(rows: slice, keys: slice, causal: bool, k_block: Tensor, v_block: Tensor):
-        """Add the block's dq into dq; return (keys, its dk, its dv)."""
-        block_dq, block_dk, block_dv = step.backward(do[:, rows], q[:, rows], k_block, v_block, o[:, rows],
-                                                     lse[:, :, rows], causal, scale)
-        dq[:, rows] += block_dq
-        return keys, block_dk, block_dv
-
-    early, late = _local_pieces(half)
     dkv_hop = None
     for i in range(n):
         hop = _Hop(kv, group, rank, n) if i + 1 < n else None
-        pieces = early if i == 0 else [_visible_block(rank, (rank - i) % n, half)]
-        grads = [block(rows, keys, causal, kv[:, keys, :h_kv], kv[:, keys, h_kv:]) for rows, keys, causal in pieces]
+        rows, keys, causal = _visible_block(rank, (rank - i) % n, half)
+        block_dq, block_dk, block_dv = step.backward(do[:, rows], q[:, rows], kv[:, keys, :h_kv],
+                                                     kv[:, keys, h_kv:], o[:, rows], lse[:, :, rows], causal, scale)
+        dq[:, rows] += block_dq
         if dkv_hop is not None:
             dkv = dkv_hop.wait()  # the accumulator of the shard in hand
-        for keys, block_dk, block_dv in grads:
-            dkv[:, keys, :h_kv] += block_dk
-            dkv[:, keys, h_kv:] += block_dv
+        dkv[:, keys, :h_kv] += block_dk
+        dkv[:, keys, h_kv:] += block_dv
         dkv_hop = _Hop(dkv, group, rank, n)
         if hop is not None:
             kv = hop.wait()
-    rows, keys, causal = late
-    keys, block_dk, block_dv = block(rows, keys, causal, k[:, keys], v[:, keys])  # under the last hop
     dkv = dkv_hop.wait()  # the last hop brings this rank's own accumulator home
-    dkv[:, keys, :h_kv] += block_dk
-    dkv[:, keys, h_kv:] += block_dv
     return dq, dkv[:, :, :h_kv], dkv[:, :, h_kv:]
 
 
