@@ -22,7 +22,6 @@
 # and how much NCCL time was hidden under other kernels) and writes compare/table.md. `curve`
 # prints the largest loss difference.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 CORPUS=bench/cp/corpus.txt
 COMMON=(model=gpt2 attention=flash attention.strict=true trainer.dtype=bf16 trainer.batch_size=1 trainer.grad_accum=1
         trainer.sample_tokens=0 trainer.resume=none logger.progress=false data.path="$CORPUS" data.name=shakespeare60)
@@ -60,13 +59,19 @@ fits() {  # fits N T OUT: 0 when one step at batch 1 and T tokens trains on N GP
     exit 1
 }
 
+gpu_memory_mb() {  # the memory of the first GPU this process sees, in MiB
+    python3 -c "import torch; print(torch.cuda.mem_get_info()[1] // 2**20)"
+}
+
 longest() {  # longest N OUT: the longest multiple of STEP that trains at batch 1
     # START and 2 START (both should fit) give the line peak = c + s T; from the GPU's memory it
     # predicts the longest T; trials then walk from that guess (doubling their stride) until one
     # fits and one STEP longer does not.
     local n=$1 out=$2 step=${STEP:-16384} start=${START:-131072} good=0 bad=0 T per_1k peak1 stride guess_failed=0
+    positive START "$start"
+    positive STEP "$step"
     local total_mb
-    total_mb=$(python3 -c "import torch; print(torch.cuda.mem_get_info()[1] // 2**20)")
+    total_mb=$(gpu_memory_mb)
     echo "| GPUs | T | result | peak MB | seconds |"
     echo "|---|---|---|---|---|"
     probe() { if fits "$n" "$1" "$out"; then good=$1; return 0; else bad=$1; return 1; fi; }
@@ -124,15 +129,41 @@ print(f"{len(one)} steps; largest relative loss difference {abs(one[worst] - cp[
 EOF
 }
 
-what=${1:?"corpus | longest N OUT | trial N T OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT"}
-shift
-case "$what" in
-    corpus) make_corpus ;;
-    longest) n=$1 out=$2; shift 2; EXTRA=("$@"); longest "$n" "$out" ;;
-    trial) n=$1 T=$2 out=$3; shift 3; EXTRA=("$@"); echo "| GPUs | T | result | peak MB | seconds |"; fits "$n" "$T" "$out" ;;
-    throughput) out=$1; shift; EXTRA=("$@"); throughput "$out" ;;
-    curve) out=$1; shift; EXTRA=("$@"); curve_one "$out"; curve_cp2 "$out"; curve_compare "$out" ;;
-    curve-one) out=$1; shift; EXTRA=("$@"); curve_one "$out" ;;
-    curve-cp2) out=$1; shift; EXTRA=("$@"); curve_cp2 "$out"; curve_compare "$out" ;;
-    *) echo "unknown: $what (corpus | longest N OUT | trial N T OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT)" >&2; exit 2 ;;
-esac
+USAGE="corpus | longest N OUT | trial N T OUT | throughput OUT | curve OUT | curve-one OUT | curve-cp2 OUT"
+
+usage() {  # usage WHY: one line on stderr, exit status 2
+    echo "bench_context_parallel.sh: $1 (usage: bash scripts/bench_context_parallel.sh $USAGE [overrides])" >&2
+    exit 2
+}
+
+positive() {  # positive NAME VALUE: a positive integer, or usage
+    [[ $2 =~ ^[1-9][0-9]*$ ]] || usage "$1=$2 must be a positive integer"
+}
+
+main() {
+    [ $# -ge 1 ] || usage "name what to run"
+    case "${DIST:-ddp}" in ddp|fsdp) ;; *) usage "DIST=$DIST must be ddp or fsdp" ;; esac
+    local what=$1
+    shift
+    case "$what" in
+        corpus) make_corpus ;;
+        longest) [ $# -ge 2 ] || usage "longest needs N and OUT"; positive N "$1"
+                 n=$1 out=$2; shift 2; EXTRA=("$@"); longest "$n" "$out" ;;
+        trial) [ $# -ge 3 ] || usage "trial needs N, T and OUT"; positive N "$1"; positive T "$2"
+               n=$1 T=$2 out=$3; shift 3; EXTRA=("$@"); echo "| GPUs | T | result | peak MB | seconds |"; fits "$n" "$T" "$out" ;;
+        throughput|curve|curve-one|curve-cp2) [ $# -ge 1 ] || usage "$what needs OUT"
+               out=$1; shift; EXTRA=("$@")
+               case "$what" in
+                   throughput) throughput "$out" ;;
+                   curve) curve_one "$out"; curve_cp2 "$out"; curve_compare "$out" ;;
+                   curve-one) curve_one "$out" ;;
+                   curve-cp2) curve_cp2 "$out"; curve_compare "$out" ;;
+               esac ;;
+        *) usage "unknown: $what" ;;
+    esac
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced (tests source it to check the search)
+    cd "$(dirname "$0")/.."
+    main "$@"
+fi

@@ -1,9 +1,11 @@
 """The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate), the
 pieces the bench scripts share, compare_runs (on a real multirun of experiment=compare_backends and on
-hand-written runs), fit, and plot_runs (the docs' plots from docs/runs)."""
+hand-written runs), fit, plot_runs (the docs' plots from docs/runs), and bench_context_parallel.sh's
+arguments and its search for the longest sequence (against a fake GPU)."""
 import csv
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -334,3 +336,56 @@ def test_shape_lists_parse_into_b_h_t_d_tuples():
     from scripts.bench_common import parse_shapes
 
     assert parse_shapes("16,12,1024,64;4,12,2048,64;") == [(16, 12, 1024, 64), (4, 12, 2048, 64)]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_context_parallel.sh
+
+CP_BENCH = REPO / "scripts" / "bench_context_parallel.sh"
+
+
+@pytest.mark.parametrize("args,extra_env,why", [
+    ([], {}, "name what to run"),
+    (["bogus"], {}, "unknown: bogus"),
+    (["longest", "2"], {}, "longest needs N and OUT"),
+    (["longest", "two", "out"], {}, "N=two must be a positive integer"),
+    (["longest", "2", "out"], {"START": "0"}, "START=0 must be a positive integer"),
+    (["trial", "2", "12k", "out"], {}, "T=12k must be a positive integer"),
+    (["curve-cp2"], {}, "curve-cp2 needs OUT"),
+    (["longest", "2", "out"], {"DIST": "zero"}, "DIST=zero must be ddp or fsdp"),
+])
+def test_the_context_parallel_bench_refuses_bad_arguments_in_one_line(args, extra_env, why):
+    proc = subprocess.run(["bash", str(CP_BENCH), *args], cwd=REPO, env=dict(run_env(), **extra_env),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and why in proc.stderr and "usage: bash scripts/" in proc.stderr
+
+
+def longest_search(limit: int, mb_per_1k: int = 360, base_mb: int = 2000, gpu_mb: int = 143000):
+    """``longest 2`` with trials on a fake GPU of ``gpu_mb`` where T tokens train up to ``limit`` and
+    peak at base_mb + mb_per_1k * T / 1024: (the lengths tried, the answer printed)."""
+    script = f"""
+source {CP_BENCH}
+gpu_memory_mb() {{ echo {gpu_mb}; }}
+fits() {{
+    if [ "$2" -le {limit} ]; then PEAK_MB=$(( {base_mb} + {mb_per_1k} * $2 / 1024 )); echo "| $1 | $2 | trains |"; return 0; fi
+    echo "| $1 | $2 | out of memory |"; return 1
+}}
+longest 2 unused
+"""
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    tried = [int(line.split("|")[2]) for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    return tried, int(re.search(r"at batch 1: (\d+) ", proc.stdout).group(1))
+
+
+@pytest.mark.parametrize("limit", [393216, 350000, 600000, 200000, 100000])
+def test_the_longest_search_ends_on_the_last_length_that_trains(limit):
+    tried, answer = longest_search(limit)
+    assert answer == limit // 16384 * 16384
+    assert answer in tried and answer + 16384 in tried  # shown to train, and the next to run out of memory
+
+
+def test_the_longest_search_needs_four_trials_where_memory_grows_on_the_measured_line():
+    tried, answer = longest_search(393216)  # (143000 - 2000) MB / 360 MB per 1024 tokens -> 393216 at most
+    assert tried == [131072, 262144, 393216, 409600] and answer == 393216
