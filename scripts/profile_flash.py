@@ -4,7 +4,8 @@
 
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
-   allocations, the launch functions, the public function, the autograd round trip, the floor
+   allocations, the launch functions, the public function, the autograd round trip (of a Python
+   Function, and of one built-in op: what any backend pays on this host), the floor
    (the round trip with our allocations and three launches of an empty kernel), with our
    launch plans replayed and not (``LAUNCHER.replay``, kernels/flash_attention/launch.py), next to
    SDPA's FlashAttention-2 and cuDNN.
@@ -136,6 +137,7 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     found = {
         "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
         "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
+        "autograd round trip of one built-in op (q * 2)": per_call_us(lambda: torch.autograd.grad(qg * 2, qg, do)),
         "floor: round trip, our allocations, 3 empty launches": per_call_us(launch_floor_step(qg, kg, vg, do)),
     }
     before = launch.LAUNCHER.replay

@@ -230,6 +230,7 @@ def test_profile_flash_on_gpu_reports_every_host_piece_and_each_kernel(tmp_path)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "profile.json").read_text())
     assert "floor: round trip, our allocations, 3 empty launches" in report["host"]
+    assert "autograd round trip of one built-in op (q * 2)" in report["host"]
     assert all(us > 0 for us in report["host"].values()), report["host"]
     found = report["shapes"]["(1, 2, 256, 64)"]
     assert set(found) == {"flash", "flash, forget gate", "sdpa-fa2", "sdpa-cudnn"}
