@@ -1,7 +1,8 @@
 """The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate), the
 pieces the bench scripts share, compare_runs (on a real multirun of experiment=compare_backends and on
-hand-written runs), fit, plot_runs (the docs' plots from docs/runs), and bench_context_parallel.sh's
-arguments and its search for the longest sequence (against a fake GPU)."""
+hand-written runs), fit, plot_runs (the docs' plots from docs/runs), bench_context_parallel.sh's
+arguments and its search for the longest sequence (against a fake GPU), and perf_round.sh's choice of
+steps."""
 import csv
 import importlib.util
 import json
@@ -391,3 +392,30 @@ def test_the_longest_search_ends_on_the_last_length_that_trains(limit):
 def test_the_longest_search_needs_four_trials_where_memory_grows_on_the_measured_line():
     tried, answer = longest_search(393216)  # (143000 - 2000) MB / 360 MB per 1024 tokens -> 393216 at most
     assert tried == [131072, 262144, 393216, 409600] and answer == 393216
+
+
+# ---------------------------------------------------------------------------------------------
+# perf_round.sh
+
+PERF_ROUND = REPO / "scripts" / "perf_round.sh"
+
+
+@pytest.mark.parametrize("steps,why", [("tests bogus", "unknown step 'bogus'"), (" ", "STEPS is empty")])
+def test_perf_round_refuses_unknown_steps_in_one_line_before_running_anything(tmp_path, steps, why):
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(PERF_ROUND)], cwd=REPO, env=dict(run_env(), OUT=str(out), STEPS=steps),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert why in proc.stderr and "tests profile anchors dropout gate first-call" in proc.stderr
+    assert not out.exists()
+
+
+def test_perf_round_runs_only_the_steps_named(tmp_path):
+    out = tmp_path / "round"
+    proc = subprocess.run(["bash", str(PERF_ROUND)], cwd=REPO, env=dict(run_env(), OUT=str(out), STEPS="dropout"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    log = (out / "run.log").read_text()
+    assert "=== dropout (limit" in log and "=== dropout: exit" in log
+    assert not any(f"=== {name} (limit" in log for name in ("tests", "profile", "anchors", "gate", "first-call"))
+    assert sorted(p.name for p in out.iterdir()) == ["dropout.md", "run.log"]
