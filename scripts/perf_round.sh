@@ -28,11 +28,12 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
 ALL_STEPS="tests profile anchors dropout gate first-call"
 STEPS=${STEPS-$ALL_STEPS}
+listed() { case " $2 " in *" $1 "*) return 0;; *) return 1;; esac; }  # listed WORD LIST
 for name in $STEPS; do
-    case " $ALL_STEPS " in *" $name "*) ;; *) echo "perf_round.sh: unknown step '$name' in STEPS; use some of: $ALL_STEPS" >&2; exit 2;; esac
+    listed "$name" "$ALL_STEPS" || { echo "perf_round.sh: unknown step '$name' in STEPS; use some of: $ALL_STEPS" >&2; exit 2; }
 done
 [ -n "${STEPS// /}" ] || { echo "perf_round.sh: STEPS is empty; use some of: $ALL_STEPS" >&2; exit 2; }
-wanted() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+wanted() { listed "$1" "$STEPS"; }
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
 LOG="$OUT/run.log"
