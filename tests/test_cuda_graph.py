@@ -40,7 +40,9 @@ def test_clipping_inside_the_fused_step_equals_clip_grad_norm_then_step(scale):
         opt_folded.step()
         opt_plain.zero_grad(set_to_none=True)
         opt_folded.zero_grad(set_to_none=True)
-        torch.testing.assert_close(norm_folded, norm_plain, rtol=0, atol=0)
+        # Two reductions of the same squares (get_total_norm, clip_grad_norm_'s own): equal to fp32
+        # rounding, not bit for bit, which no PyTorch release promises (torch 2.14.1 differs by 1 ulp).
+        torch.testing.assert_close(norm_folded, norm_plain, rtol=1e-6, atol=0)
     for a, b in zip(plain.parameters(), folded.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
 
