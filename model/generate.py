@@ -21,6 +21,7 @@ Either way the step's random numbers are drawn eagerly before it, from the calle
 Sampling (``Sampler``) never syncs with the host: a draw from softmax(p) is the argmax of p / E with
 E ~ Exp(1) independent per token id (the exponential race: the same law as ``torch.multinomial``).
 """
+import functools
 from typing import Optional
 
 import torch
@@ -71,39 +72,47 @@ class Sampler:
         return self.pick(logits)
 
 
+def decode_step(model, cache, seq: torch.Tensor, sampler: Sampler) -> None:
+    """One decode step on ``seq`` (B, T_total): feed its token at the cache's next position, sample
+    the one after it into ``seq``. Every index is read on the device."""
+    fed = seq.index_select(1, cache.next_pos)  # (B, 1)
+    logits, _ = model(fed, cache=cache)  # advances next_pos
+    seq.index_copy_(1, cache.next_pos, sampler.pick(logits[:, -1]))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_decode_step(options: tuple):
+    """``decode_step`` under ``torch.compile(**dict(options))``, made once per process (its graphs then
+    serve every generation; new cache tensors only re-record the CUDA graphs)."""
+    return torch.compile(decode_step, **dict(options))
+
+
 class DecodeStep:
-    """One decode step on ``seq`` (B, T_total): feed the token at the cache's next position, sample
-    the one after it into ``seq``. ``mode``: one of ``STEPS`` but auto."""
+    """``decode_step`` run one of the ``STEPS`` ways (but auto), the step's random numbers drawn first."""
 
     def __init__(self, model, cache, seq: torch.Tensor, sampler: Sampler, mode: str):
         self.model, self.cache, self.seq, self.sampler, self.mode = model, cache, seq, sampler, mode
         self.graph: Optional[torch.cuda.CUDAGraph] = None
-        self.compiled = None
         self.steps = 0
 
-    def run(self) -> None:
-        """The step's work: every index is read on the device."""
-        fed = self.seq.index_select(1, self.cache.next_pos)  # (B, 1)
-        logits, _ = self.model(fed, cache=self.cache)  # advances next_pos
-        self.seq.index_copy_(1, self.cache.next_pos, self.sampler.pick(logits[:, -1]))
-
     def __call__(self) -> None:
+        args = (self.model, self.cache, self.seq, self.sampler)
         self.sampler.draw(self.seq.shape[0], self.model.cfg.vocab_size, self.seq.device)
         self.steps += 1
         if self.mode == "eager" or (self.mode == "graph" and self.steps == 1):
-            self.run()
+            decode_step(*args)
         elif self.mode == "graph":
             if self.graph is None:
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
-                    self.run()
+                    decode_step(*args)
             self.graph.replay()
         else:
-            if self.compiled is None:
-                for t in (self.seq, *self.cache.tensors(), *([self.sampler.noise] if self.sampler.noise is not None else [])):
+            if self.steps == 1:  # what the step writes in place keeps its address: no copies in and out of the graphs
+                noise = [self.sampler.noise] if self.sampler.noise is not None else []
+                for t in (self.seq, *self.cache.tensors(), *noise):
                     torch._dynamo.mark_static_address(t)
-                self.compiled = torch.compile(self.run, **COMPILE_OPTIONS)
-            self.compiled()
+            compiled_decode_step(tuple(sorted(COMPILE_OPTIONS.items())))(*args)
 
 
 def resolve_step(step: str, device: torch.device) -> str:
