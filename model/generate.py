@@ -108,11 +108,17 @@ class DecodeStep:
                     decode_step(*args)
             self.graph.replay()
         else:
-            if self.steps == 1:  # what the step writes in place keeps its address: no copies in and out of the graphs
-                noise = [self.sampler.noise] if self.sampler.noise is not None else []
-                for t in (self.seq, *self.cache.tensors(), *noise):
-                    torch._dynamo.mark_static_address(t)
+            if self.steps == 1:
+                self.mark_static()
             compiled_decode_step(tuple(sorted(COMPILE_OPTIONS.items())))(*args)
+
+    def mark_static(self) -> None:
+        """Tell torch.compile that the tensors the step reads and writes in place keep their addresses:
+        its CUDA graphs use them as they are, no copies in and out. Another generation's tensors make
+        it record its graphs again, without compiling again (guard=False)."""
+        noise = [self.sampler.noise] if self.sampler.noise is not None else []
+        for t in (self.seq, *self.cache.tensors(), *noise):
+            torch._dynamo.mark_static_address(t, guard=False)
 
 
 def resolve_step(step: str, device: torch.device) -> str:

@@ -9,6 +9,7 @@ depend on the weights) generating greedily from a 16-token prompt to 1024 tokens
 batch 1 and 8, bf16 under autocast as scripts/sample.py runs it. Rows:
 - ours, cached, with each decode step mode of model/generate.py: ``graph`` (the default on a GPU),
   ``compile`` (torch.compile, reduce-overhead), ``eager``;
+- ours, cached, graph step, with the weights in bf16 instead of autocast (as transformers runs);
 - ours, cached, graph step, with SDPA attending over the static cache (rows past the length
   masked, as a captured step must: the length lives on the device) in place of our kernel;
 - ours, uncached (the whole context again for every token), stopped after ``--time-cap`` seconds:
@@ -29,7 +30,7 @@ eager call's too), and GB/s of K and V read (2 * B * L * H_kv * D * 2 bytes), ag
 ~3 TB/s on an H100.
 
 ``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits, around
-the defaults, at a 32k cache, batch 1 and 8, GPT-2's heads.
+the defaults, at caches of 1k (GPT-2's decode) and 32k, batch 1 and 8, GPT-2's heads.
 
 Writes generate.md/.json, kernel.md/.csv, sweep.md and env.json to --out. About 6 minutes on an
 H100. Needs a CUDA GPU.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import json
 import sys
@@ -150,15 +152,19 @@ def generate_rows(batches, cap_s: float) -> list[dict]:
     new = CONTEXT - PROMPT
     rows = []
 
-    def ours(step):
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+
+    def ours(step, weights=model):
         def run():
-            with torch.autocast("cuda", torch.bfloat16):
-                return model.generate(idx, new, temperature=0, step=step)
+            with torch.autocast("cuda", torch.bfloat16, enabled=weights is model):
+                return weights.generate(idx, new, temperature=0, step=step)
         return run
 
     for batch in batches:
         idx = torch.randint(0, 50257, (batch, PROMPT), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
         variants = [(f"ours, cached, {step} step", ours(step), contextlib.nullcontext) for step in ("graph", "compile", "eager")]
+        variants.append(("ours, cached, graph step, bf16 weights (no autocast)", ours("graph", bf16_model),
+                         contextlib.nullcontext))
         variants.append(("ours, cached, graph step, SDPA over the static cache", ours("graph"),
                          lambda: mock.patch.object(kv_cache, "flash_decode", sdpa_over_cache)))
         reference = None
@@ -205,8 +211,6 @@ def transformers_rows(model, idx, new: int, reference) -> list[dict]:
             rows.append(dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
                              first_call_s=None, same_tokens=None))
         print(row_line(rows[-1]), flush=True)
-    del hf
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -249,44 +253,46 @@ def gpu_us(fn) -> float:
 
 
 def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
-    """One row per (H, H_kv, D, B, L): our kernel and each SDPA, in microseconds; and the kernels
-    SDPA's default launched at the first length of each (H, H_kv, D, B)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from kernels.flash_decoding import default_splits, flash_decode
-
+    """One row per (H, H_kv, D, B, L) (``kernel_row``); and the CUDA kernels SDPA launched as it
+    picks, at the first length of each (H, H_kv, D, B)."""
     rows, picked = [], {}
     for H, H_kv, D in HEADS:
         for B in batches:
             for L in lengths:
-                q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
-                k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
-                lengths_ = torch.full((B,), L, dtype=torch.int32, device=CUDA)
-                qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
-                gqa = H != H_kv
-
-                def ours():
-                    return flash_decode(q, k, v, lengths_)
-
-                def sdpa():
-                    return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
-
-                def forced(kernel):
-                    def run():
-                        with sdpa_kernel(getattr(SDPBackend, kernel)):
-                            return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=gqa)
-                    return run
-
-                row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, splits=default_splits(B, H_kv, L, D, CUDA),
-                           gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours), ours_eager_us=median_ms(ours, CUDA) * 1e3,
-                           sdpa_us=gpu_us(sdpa))
-                row.update({f"{name}_us": gpu_us(forced(kernel)) for name, kernel in SDPA_FORCED.items()})
-                if L == lengths[0]:
-                    picked[(H, H_kv, D, B)] = launched_kernels(sdpa)
+                row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, name_sdpa=L == lengths[0])
+                if sdpa_kernels:
+                    picked[(H, H_kv, D, B)] = sdpa_kernels
                 rows.append(row)
                 print(kernel_line(row), flush=True)
-                del q, k, v, qh, kh, vh
     return rows, picked
+
+
+def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tuple[dict, str]:
+    """Our kernel and each SDPA, one new query against a full cache of L keys, in microseconds; and,
+    with ``name_sdpa``, the kernels SDPA launched as it picks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.flash_decoding import default_splits, flash_decode
+
+    q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((B,), L, dtype=torch.int32, device=CUDA)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+
+    def ours():
+        return flash_decode(q, k, v, lengths)
+
+    def sdpa(kernel=None):
+        def run():
+            with sdpa_kernel(getattr(SDPBackend, kernel)) if kernel else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=H != H_kv)
+        return run
+
+    row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, splits=default_splits(B, H_kv, L, D, CUDA),
+               gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours), ours_eager_us=median_ms(ours, CUDA) * 1e3,
+               sdpa_us=gpu_us(sdpa()))
+    row.update({f"{name}_us": gpu_us(sdpa(kernel)) for name, kernel in SDPA_FORCED.items()})
+    return row, launched_kernels(sdpa()) if name_sdpa else ""
 
 
 def kernel_line(r: dict) -> str:
@@ -305,14 +311,14 @@ KERNEL_HEAD = ["| H/H_kv/D | B | cache L | splits | ours µs (GB/s) | ours eager
 
 # --- sweep ----------------------------------------------------------------------------------------
 
-def sweep_rows(batches, length: int = 32768) -> list[str]:
+def sweep_rows(batches, lengths=(1024, 32768)) -> list[str]:
     """Table lines: each launch setting of the split kernel around the defaults, µs (GB/s)."""
     from kernels.flash_decoding import decode_launch, default_splits
     from kernels.flash_decoding.kernel import NUM_STAGES, NUM_WARPS, block_n_for
 
     H, H_kv, D = HEADS[0]
     lines = []
-    for B in batches:
+    for B, length in ((B, L) for L in lengths for B in batches):
         q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
         k, v = (torch.randn(B, length, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
         lengths = torch.full((B,), length, dtype=torch.int32, device=CUDA)
@@ -321,16 +327,16 @@ def sweep_rows(batches, length: int = 32768) -> list[str]:
         settings = [(bn, w, NUM_STAGES, splits) for bn in (32, 64, 128) for w in (2, 4, 8)]
         settings += [(block_n_for(D), NUM_WARPS, st, splits) for st in (2, 4)]
         settings += [(block_n_for(D), NUM_WARPS, NUM_STAGES, max(1, int(splits * f))) for f in (0.5, 2, 4)]
-        for bn, warps, stages, s in settings:
+        for bn, warps, stages, s in dict.fromkeys(settings):  # each once, in order
             us = gpu_us(lambda: decode_launch(q, k, v, lengths, None, D ** -0.5, 0, s, bn, warps, stages))
             default = " (default)" if (bn, warps, stages, s) == (block_n_for(D), NUM_WARPS, NUM_STAGES, splits) else ""
-            lines.append(f"| {B} | {bn} | {warps} | {stages} | {s}{default} | "
+            lines.append(f"| {length} | {B} | {bn} | {warps} | {stages} | {s}{default} | "
                          + ("n/a" if us != us else f"{us:.1f} | {gb / (us * 1e-6):.0f}") + " |")
             print(lines[-1], flush=True)
     return lines
 
 
-SWEEP_HEAD = ["| B | BLOCK_N | warps | stages | splits | µs | GB/s |", "|---|---|---|---|---|---|---|"]
+SWEEP_HEAD = ["| cache L | B | BLOCK_N | warps | stages | splits | µs | GB/s |", "|---|---|---|---|---|---|---|---|"]
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -373,7 +379,7 @@ def main() -> None:
     if "sweep" in parts:
         print("\n".join(SWEEP_HEAD), flush=True)
         lines = sweep_rows([1, 8])
-        write(args.out / "sweep", f"# Split-kernel settings, cache 32768, H/H_kv/D 12/12/64, bf16: {title}", SWEEP_HEAD,
+        write(args.out / "sweep", f"# Split-kernel settings, H/H_kv/D 12/12/64, bf16: {title}", SWEEP_HEAD,
               lines, None)
 
 
