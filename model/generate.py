@@ -18,8 +18,8 @@ A step (``DecodeStep``) runs in one of ``STEPS``:
   with collectives in every forward), else ``eager``.
 Either way the step's random numbers are drawn eagerly before it, from the caller's generator.
 
-Sampling (``Sampler``) never syncs with the host: a draw from softmax(p) is the argmax of p / E with
-E ~ Exp(1) independent per token id (the exponential race: the same law as ``torch.multinomial``).
+Sampling (``Sampler``) never syncs with the host: a draw from probabilities p is the argmax of p / E
+with E ~ Exp(1) independent per token id (the exponential race: the same law as ``torch.multinomial``).
 """
 import functools
 from typing import Optional
@@ -125,6 +125,8 @@ def resolve_step(step: str, device: torch.device) -> str:
     """The step mode ``step`` (one of ``STEPS``) means on ``device``."""
     if step not in STEPS:
         raise ValueError(f"step={step!r} is not one of {', '.join(STEPS)}")
+    if step == "graph" and device.type != "cuda":
+        raise ValueError(f"step='graph' captures a CUDA graph and this generation runs on {device.type}; use eager or auto")
     if step != "auto":
         return step
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()

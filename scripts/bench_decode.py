@@ -15,14 +15,15 @@ batch 1 and 8, bf16 under autocast as scripts/sample.py runs it. Rows:
 - ours, uncached (the whole context again for every token), stopped after ``--time-cap`` seconds:
   its tokens/s are over the tokens it made by then, the shortest contexts;
 - transformers' GPT2LMHeadModel with the same weights in bf16, ``generate`` with its static cache
-  (compiled, as generate does on a GPU by default; and with ``disable_compile=True``) and with its
-  dynamic cache; skipped, with the reason, where transformers does not import.
-Each is called once before it is timed (same shapes: compilation, tuning and graph capture of
-the first call are reported apart as "first call s"). "same tokens" counts the new tokens equal to
-ours (graph) before the first difference (bf16 rounding differs between implementations).
+  (compiled, as generate does on a GPU by default; and with ``disable_compile=True``); skipped,
+  with the reason, where transformers does not import.
+Each is called once before it is timed: the compiled ones with the same length (their first call,
+compilation included, is reported as "first call s"), the others with 32 tokens (kernels compile,
+nothing depends on the length). "same tokens" counts the new tokens equal to ours (graph step)
+before the first difference (bf16 rounding differs between implementations).
 
-``kernel``: one new query against caches of 1k to 64k tokens, batch 1 to 32, bf16, GPT-2's heads
-(H = H_kv = 12, D = 64) and a GQA shape (H = 32, H_kv = 8, D = 128): our kernel (its default
+``kernel``: one new query against caches of 1k to 64k tokens, bf16, GPT-2's heads (H = H_kv = 12,
+D = 64) at batch 1 to 32 and a GQA shape (H = 32, H_kv = 8, D = 128) at batch 1 and 8: our kernel (its default
 splits) and SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDPA as
 it picks (the CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN
 and memory-efficient. Microseconds per call replayed from a CUDA graph (the GPU's time; our
@@ -58,9 +59,11 @@ from scripts.bench_common import (ROOT, command_line, environment, first_line, g
 CUDA = torch.device("cuda")
 PARTS = ("generate", "kernel", "sweep")
 PROMPT, CONTEXT = 16, 1024
+WARMUP_TOKENS = 32
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BATCHES = (1, 4, 8, 16, 32)
 HEADS = ((12, 12, 64), (32, 8, 128))  # (H, H_kv, D): GPT-2's, and a GQA shape
+GQA_BATCHES = (1, 8)  # the GQA shape's batches (of those asked for)
 SDPA_FORCED = {"FA2": "FLASH_ATTENTION", "cuDNN": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
@@ -145,37 +148,53 @@ def same_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0]) if len(differ) else a.shape[1] - PROMPT
 
 
+def measure(batch: int, name: str, run, new: int, compiled: bool, reference=None,
+            patch=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
+    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call:
+    of ``new`` tokens when ``compiled`` (a compiled graph is shaped by the length; that first call's
+    time is reported), else of ``WARMUP_TOKENS`` (what compiles does not depend on the length).
+    A run that fails gives a row that says why, and no output."""
+    try:
+        with patch():
+            _, first = timed(lambda: run(new if compiled else WARMUP_TOKENS))
+            out, seconds = timed(lambda: run(new))
+    except Exception as err:
+        row = dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
+                   first_call_s=None, same_tokens=None)
+        print(row_line(row), flush=True)
+        return row, None
+    row = dict(batch=batch, name=name, tokens=new, seconds=seconds, first_call_s=first if compiled else None,
+               same_tokens=same_prefix(out, reference if reference is not None else out))
+    print(row_line(row), flush=True)
+    return row, out
+
+
 def generate_rows(batches, cap_s: float) -> list[dict]:
     from model import kv_cache
 
     model = gpt2_model()
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     new = CONTEXT - PROMPT
     rows = []
-
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
-
-    def ours(step, weights=model):
-        def run():
-            with torch.autocast("cuda", torch.bfloat16, enabled=weights is model):
-                return weights.generate(idx, new, temperature=0, step=step)
-        return run
-
     for batch in batches:
         idx = torch.randint(0, 50257, (batch, PROMPT), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
-        variants = [(f"ours, cached, {step} step", ours(step), contextlib.nullcontext) for step in ("graph", "compile", "eager")]
-        variants.append(("ours, cached, graph step, bf16 weights (no autocast)", ours("graph", bf16_model),
-                         contextlib.nullcontext))
-        variants.append(("ours, cached, graph step, SDPA over the static cache", ours("graph"),
-                         lambda: mock.patch.object(kv_cache, "flash_decode", sdpa_over_cache)))
-        reference = None
-        for name, run, patch in variants:
-            with patch():
-                _, first = timed(run)
-                out, seconds = timed(run)
-            reference = out if reference is None else reference
-            rows.append(dict(batch=batch, name=name, tokens=new, seconds=seconds, first_call_s=first,
-                             same_tokens=same_prefix(out, reference)))
-            print(row_line(rows[-1]), flush=True)
+
+        def ours(step, weights=model):
+            def run(n):
+                with torch.autocast("cuda", torch.bfloat16, enabled=weights is model):
+                    return weights.generate(idx, n, temperature=0, step=step)
+            return run
+
+        row, reference = measure(batch, "ours, cached, graph step", ours("graph"), new, compiled=False)
+        rows.append(row)
+        for name, run, compiled, patch in (
+                ("ours, cached, compile step", ours("compile"), True, contextlib.nullcontext),
+                ("ours, cached, eager step", ours("eager"), False, contextlib.nullcontext),
+                ("ours, cached, graph step, bf16 weights (no autocast)", ours("graph", bf16_model), False,
+                 contextlib.nullcontext),
+                ("ours, cached, graph step, SDPA over the static cache", ours("graph"), False,
+                 lambda: mock.patch.object(kv_cache, "flash_decode", sdpa_over_cache))):
+            rows.append(measure(batch, name, run, new, compiled, reference, patch)[0])
         made, seconds = uncached_rate(model, idx, new, cap_s)
         rows.append(dict(batch=batch, name=f"ours, uncached (stopped after {cap_s:g} s)", tokens=made, seconds=seconds,
                          first_call_s=None, same_tokens=None))
@@ -185,33 +204,29 @@ def generate_rows(batches, cap_s: float) -> list[dict]:
 
 
 def transformers_rows(model, idx, new: int, reference) -> list[dict]:
-    """transformers' generate on the same weights (static cache compiled and not, dynamic cache), or one
-    row saying why not."""
+    """transformers' generate with its static cache on the same weights, compiled (its default on a GPU)
+    and not; or one row saying why not."""
     batch = idx.shape[0]
     try:
         import transformers
 
         hf = hf_gpt2(model)
     except Exception as err:  # not installed, or an API this version lacks
-        return [dict(batch=batch, name=f"transformers: skipped ({first_line(err)})", tokens=0, seconds=None,
-                     first_call_s=None, same_tokens=None)]
-    rows = []
-    for name, options in ((f"transformers {transformers.__version__}, static cache, compiled", dict(cache_implementation="static")),
-                          (f"transformers {transformers.__version__}, static cache, disable_compile", dict(cache_implementation="static", disable_compile=True)),
-                          (f"transformers {transformers.__version__}, dynamic cache", {})):
-        def run():
-            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, pad_token_id=0, **options)
-        try:
-            _, first = timed(run)
-            out, seconds = timed(run)
-            rows.append(dict(batch=batch, name=name, tokens=new, seconds=seconds, first_call_s=first,
-                             same_tokens=same_prefix(out, reference)))
-        except Exception as err:
-            rows.append(dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
-                             first_call_s=None, same_tokens=None))
-        print(row_line(rows[-1]), flush=True)
-    return rows
+        row = dict(batch=batch, name=f"transformers: skipped ({first_line(err)})", tokens=0, seconds=None,
+                   first_call_s=None, same_tokens=None)
+        print(row_line(row), flush=True)
+        return [row]
+
+    def hf_run(**options):
+        def run(n):
+            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0, cache_implementation="static", **options)
+        return run
+
+    version = transformers.__version__
+    return [measure(batch, f"transformers {version}, static cache, compiled", hf_run(), new, True, reference)[0],
+            measure(batch, f"transformers {version}, static cache, disable_compile", hf_run(disable_compile=True),
+                    new, False, reference)[0]]
 
 
 def row_line(r: dict) -> str:
@@ -257,7 +272,7 @@ def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
     picks, at the first length of each (H, H_kv, D, B)."""
     rows, picked = [], {}
     for H, H_kv, D in HEADS:
-        for B in batches:
+        for B in batches if H == H_kv else [b for b in batches if b in GQA_BATCHES]:
             for L in lengths:
                 row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, name_sdpa=L == lengths[0])
                 if sdpa_kernels:
@@ -352,7 +367,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="generate: batch sizes")
     parser.add_argument("--kernel-batches", default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
-    parser.add_argument("--time-cap", type=float, default=20.0, help="generate: seconds the uncached run may take")
+    parser.add_argument("--time-cap", type=float, default=15.0, help="generate: seconds the uncached run may take")
     args = parser.parse_args()
     parts = parse_list(args.parts)
     unknown = sorted(set(parts) - set(PARTS))

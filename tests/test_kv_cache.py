@@ -152,10 +152,12 @@ def test_the_model_decodes_with_our_kernel(monkeypatch):
     assert torch.equal(model.generate(idx, 8, temperature=0), model.generate(idx, 8, temperature=0, use_cache=False))
 
 
-def test_an_unknown_step_is_refused():
+@pytest.mark.parametrize("step, message", [("graphs", "step='graphs' is not one of auto, eager, graph, compile"),
+                                           ("graph", "captures a CUDA graph and this generation runs on cpu")])
+def test_a_step_that_cannot_run_is_refused(step, message):
     model = model_for(PLAIN)
-    with pytest.raises(ValueError, match="step='graphs' is not one of auto, eager, graph, compile"):
-        model.generate(prompt(model), 2, step="graphs")
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt(model), 2, step=step)
 
 
 @pytest.mark.gpu
