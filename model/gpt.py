@@ -4,7 +4,8 @@ Read top to bottom: rotary embeddings, the attention layer, the MLP, the block, 
 attention layer hands q, k, v in (B, T, H, D) layout to the backend chosen by ``attention=``; every
 other part is plain PyTorch. Positions come from a learned table (model.pos=learned), rotary q and
 k (rope), or nowhere (none: causality, and with model.gate=forget the gates' decay, tell tokens
-apart).
+apart). ``generate`` keeps a KV cache: the same forward, given the cache, prefills it with the
+backend and then decodes one token a step against it (model/kv_cache.py, model/generate.py).
 """
 import math
 from typing import NamedTuple, Optional, Tuple
