@@ -41,12 +41,12 @@ SETUPS = [PLAIN, EVERYTHING, Setup(pos="rope", n_kv_head=1), Setup(pos="none", g
           Setup(pos="learned", window=3), Setup(pos="none", n_kv_head=2, window=20)]
 
 
-def model_for(setup: Setup, backend: str = "sdpa", block_size: int = 16, seed: int = 0) -> GPT:
+def model_for(setup: Setup, backend: str = "sdpa", block_size: int = 16, seed: int = 0, device: str = None) -> GPT:
     """A 2-layer model (head size 16: flash's least) whose attention weights are scaled up 8x, so
     that attention, not the token itself, decides the next token and greedy output does not settle
-    into repeating one token."""
+    into repeating one token. On the CPU unless ``device`` says otherwise (flash: where it runs)."""
     torch.manual_seed(seed)
-    device = torch.device(device_for(backend))
+    device = torch.device(device or device_for(backend))
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=setup.n_kv_head, n_embd=64, block_size=block_size, dropout=0.0,
                       vocab_size=VOCAB, pos=setup.pos, gate=setup.gate)
     attention, ran = build_attention(AttentionConfig(name=backend, window=setup.window, strict=True), device)
@@ -145,7 +145,7 @@ def test_the_model_decodes_with_our_kernel(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setattr(kv_cache, "flash_decode_available", lambda t: True)
         monkeypatch.setattr(kv_cache, "default_splits", lambda *args: 3)
-    model = model_for(EVERYTHING, block_size=32)
+    model = model_for(EVERYTHING, block_size=32, device="cuda" if torch.cuda.is_available() else "cpu")
     idx = prompt(model, batch=2)
     cache = model.kv_cache(2, 8, idx.device)
     assert cache.use_kernel
@@ -166,15 +166,7 @@ def test_a_step_that_cannot_run_is_refused(step, message):
 @pytest.mark.parametrize("setup", [pytest.param(s, id=s.id) for s in (PLAIN, EVERYTHING)])
 def test_cuda_steps_generate_what_the_uncached_model_does(step, setup):
     """On the GPU the decode step runs our kernel, eagerly, replayed as one CUDA graph, or compiled."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=setup.n_kv_head, n_embd=64, block_size=16, dropout=0.0,
-                      vocab_size=VOCAB, pos=setup.pos, gate=setup.gate)
-    attention, _ = build_attention(AttentionConfig(name="sdpa", window=setup.window), torch.device("cuda"))
-    model = GPT(cfg, attention).cuda().eval()
-    with torch.no_grad():
-        for block in model.blocks:
-            for weight in (p for p in block.attn.parameters() if p.dim() == 2):
-                weight.mul_(8.0)
+    model = model_for(setup, device="cuda")
     idx = prompt(model)
     assert model.kv_cache(3, 8, idx.device).use_kernel
     assert torch.equal(greedy(model, idx, step=step), greedy(model, idx, use_cache=False))
