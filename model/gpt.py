@@ -4,10 +4,11 @@ Read top to bottom: rotary embeddings, the attention layer, the MLP, the block, 
 attention layer hands q, k, v in (B, T, H, D) layout to the backend chosen by ``attention=``; every
 other part is plain PyTorch. Positions come from a learned table (model.pos=learned), rotary q and
 k (rope), or nowhere (none: causality, and with model.gate=forget the gates' decay, tell tokens
-apart).
+apart). ``generate`` keeps a KV cache: the same forward, given the cache, prefills it with the
+backend and then decodes one token a step against it (model/kv_cache.py, model/generate.py).
 """
 import math
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
 from model.config import ModelConfig
+from model.generate import Sampler, generate_cached
+from model.kv_cache import KVCache, LayerCache
 from model.loss import lm_loss
 
 
@@ -37,6 +40,21 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.n_embd)
     return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+
+
+class Projected(NamedTuple):
+    """What the attention layer makes of its input, as the backends and the KV cache take it.
+
+    q: (B, T, H, D); k, v: (B, T, H_kv, D), RoPE applied to q and k; g: (B, T, H) float32 log forget
+    gates or None; qkv: (B, T, H + 2 * H_kv, D), the fused projection whose slices q, k and v are,
+    or None when q or k were changed after it (a backend's packed variant takes it whole).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: Optional[torch.Tensor]
+    qkv: Optional[torch.Tensor]
 
 
 class CausalSelfAttention(nn.Module):
@@ -61,21 +79,35 @@ class CausalSelfAttention(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=True) if cfg.gate == "forget" else None
         self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
-    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C)."""
+    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor],
+                cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C). With a cache (generation), k, v and the gates go into it, and a
+        decode step attends to it instead of calling the backend (model/kv_cache.py)."""
         B, T, C = x.shape
-        qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
-        options = {"dropout_p": self.attn_dropout} if self.training and self.attn_dropout > 0 else {}
-        if self.gate_proj is not None:
-            options["g"] = F.logsigmoid(self.gate_proj(x).float())  # (B, T, H) log forget gates, fp32
-        if rope is None and self.attention.packed is not None:
-            y = self.attention.packed(qkv, self.n_head, doc_ids=doc_ids, **options)  # (B, T, H, D)
-        else:
-            q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            y = self.attention(q, k, v, doc_ids=doc_ids, **options)  # (B, T, H, D)
+        p = self.project(x, rope)
+        if cache is not None:
+            cache.write(p.k, p.v, p.g)
+        y = cache.attend(p.q) if cache is not None and cache.decoding else self.attend(p, doc_ids)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+
+    def project(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Projected:
+        """q, k, v and the log gates of x (B, T, C): the one projection training, prefill and decode share."""
+        B, T, _ = x.shape
+        qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        g = F.logsigmoid(self.gate_proj(x).float()) if self.gate_proj is not None else None  # (B, T, H) fp32
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
+        if rope is None:
+            return Projected(q, k, v, g, qkv)
+        return Projected(apply_rope(q, *rope), apply_rope(k, *rope), v, g, None)
+
+    def attend(self, p: Projected, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The backend's attention over the forward's own tokens: (B, T, H, D)."""
+        options = {"dropout_p": self.attn_dropout} if self.training and self.attn_dropout > 0 else {}
+        if p.g is not None:
+            options["g"] = p.g
+        if p.qkv is not None and self.attention.packed is not None:
+            return self.attention.packed(p.qkv, self.n_head, doc_ids=doc_ids, **options)
+        return self.attention(p.q, p.k, p.v, doc_ids=doc_ids, **options)
 
 
 class MLP(nn.Module):
@@ -108,8 +140,8 @@ class Block(nn.Module):
         self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attention)
         self.ln_2, self.mlp = make_norm(cfg), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, doc_ids=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, doc_ids)
+    def forward(self, x: torch.Tensor, rope=None, doc_ids=None, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, doc_ids, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -159,30 +191,42 @@ class GPT(nn.Module):
         targets: Optional[torch.Tensor] = None,
         doc_ids: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """idx, targets: (B, T) token ids; doc_ids: (B, T) document index or None; positions: (T,)
         int64, where idx's tokens sit in their sequences (a context-parallel shard), None for 0..T-1.
+        cache: a KV cache (``kv_cache``) when generating: idx's tokens go in at its next positions
+        (prefill on an empty cache, decode on a filled one; model/kv_cache.py).
 
-        Returns (logits, loss): logits (B, T, V) and None when no targets are given; with targets,
-        None and the mean cross-entropy over all positions, computed in chunks so the full logits
-        never exist (model/loss.py).
+        Returns (logits, loss): logits (B, T, V) and None when no targets are given (with a cache,
+        only the last position's: (B, 1, V)); with targets, None and the mean cross-entropy over all
+        positions, computed in chunks so the full logits never exist (model/loss.py).
         """
         B, T = idx.shape
         x = self.wte(idx)
+        if cache is not None:
+            positions = cache.begin(T)
         positions = torch.arange(T, device=idx.device) if positions is None else positions
         rope = rope_tables(positions, self.cfg.head_dim) if self.cfg.pos == "rope" else None
         if self.wpe is not None:
             x = x + self.wpe(positions)
         x = self.drop(x)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             if self.cfg.activation_checkpointing and self.training:
                 x = checkpoint(block, x, rope, doc_ids, use_reentrant=False)
             else:
-                x = block(x, rope, doc_ids)
+                x = block(x, rope, doc_ids, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.advance(T)
+            return self.lm_head(self.ln_f(x[:, -1:])), None
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x), None
         return None, lm_loss(x, self.lm_head.weight, targets, chunk=self.cfg.loss_chunk)
+
+    def kv_cache(self, batch: int, capacity: int, device: torch.device) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``capacity`` tokens (model/kv_cache.py)."""
+        return KVCache(self.cfg, batch, capacity, self.blocks[0].attn.attention.window, device)
 
     @torch.no_grad()
     def generate(
@@ -193,24 +237,23 @@ class GPT(nn.Module):
         top_k: Optional[int] = None,
         vocab_limit: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
+        use_cache: bool = True,
+        step: str = "auto",
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to idx: (B, T0) -> (B, T0 + max_new_tokens).
 
-        ``vocab_limit`` masks the padding ids above the tokenizer's vocabulary.
+        The model sees the last ``block_size`` tokens (nanoGPT's rule). ``temperature`` <= 0 is
+        greedy; else a draw from softmax(logits / temperature) over the ``top_k`` likeliest tokens
+        (model/generate.py: on the device, from ``generator``). ``vocab_limit`` masks the padding ids
+        above the tokenizer's vocabulary. ``use_cache``: prefill once, then one token a step against a
+        KV cache (model/generate.py; greedy output equals that of ``use_cache=False``, which runs
+        the whole context again for every token); ``step``: how a cached step runs, one of
+        ``generate.STEPS`` (auto: one CUDA graph on a GPU outside torch.distributed, else eager).
         """
+        sampler = Sampler(temperature, top_k, vocab_limit, generator)
+        if use_cache and max_new_tokens > 0:
+            return generate_cached(self, idx, max_new_tokens, sampler, step)
         for _ in range(max_new_tokens):
-            context = idx[:, -self.cfg.block_size:]
-            logits, _ = self(context)
-            logits = logits[:, -1, :].float()
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = float("-inf")
-            if temperature <= 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, next_id], dim=1)
+            logits, _ = self(idx[:, -self.cfg.block_size:])
+            idx = torch.cat([idx, sampler(logits[:, -1])], dim=1)
         return idx

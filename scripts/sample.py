@@ -100,7 +100,8 @@ def main(argv=None) -> None:
     model_cfg.vocab_size = saved_vocab_size(state)
     model_cfg.dropout = 0.0
     attend, _ = build_attention(AttentionConfig(name="sdpa", window=config["attention"].get("window")), device)
-    model = GPT(model_cfg, attend).to(device).eval()
+    with device:  # built where it runs: no initialisation on the CPU and copy
+        model = GPT(model_cfg, attend).eval()
     load_into_plain_model(path, state, model)
     prompt = encode_prompt(tokenizer, args.prompt)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -213,6 +213,33 @@ def test_cross_entropy_benchmark_fails_clearly_without_cuda():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_decode_benchmark_fails_clearly_without_cuda(tmp_path):
+    proc = run(["scripts/bench_decode.py", "--out", str(tmp_path), "--parts", "kernel"])
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_flash_decoding.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_decode_benchmark_gives_transformers_our_weights():
+    """bench_decode's GPT2LMHeadModel computes our GPT-2's logits and greedy tokens (its static cache too)."""
+    pytest.importorskip("transformers")
+    from model import GPT, ModelConfig
+    from model.attention import build_attention
+    from model.config import AttentionConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, dropout=0.0, vocab_size=128)
+    model = GPT(cfg, build_attention(AttentionConfig(name="sdpa"), CPU)[0]).eval()
+    hf = load_script("bench_decode").hf_gpt2(model, CPU, torch.float32)
+    idx = torch.randint(0, 128, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+        ours = model.generate(idx, 8, temperature=0)
+        theirs = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, pad_token_id=0, cache_implementation="static", disable_compile=True)
+    assert torch.equal(ours, theirs)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",

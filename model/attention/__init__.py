@@ -92,6 +92,7 @@ class Attention:
     name: str  # the backend that runs (after any fallback)
     attend: Callable
     packed: Optional[Callable] = None
+    window: Optional[int] = None  # attention.window, bound into attend: what a KV cache's decode step must apply too
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None, **options) -> torch.Tensor:
         return self.attend(q, k, v, doc_ids=doc_ids, **options)
@@ -153,7 +154,7 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
     config_keys = {f.name for f in dataclasses.fields(AttentionConfig)}
     bound = {key: getattr(cfg, key) for key in backend.options if key in config_keys}
     packed = functools.partial(_load(backend.packed), **bound) if backend.packed else None
-    return Attention(name, functools.partial(_load(backend.attend), **bound), packed), name
+    return Attention(name, functools.partial(_load(backend.attend), **bound), packed, cfg.window), name
 
 
 def ring_attention_of(name: str, group: Optional[dist.ProcessGroup]) -> Attention:

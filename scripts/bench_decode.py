@@ -1,0 +1,414 @@
+"""Decode speed: GPT-2 124M generation with our KV cache against the alternatives, and the
+flash-decoding kernel (kernels/flash_decoding) alone against SDPA.
+
+    python scripts/bench_decode.py --out OUTDIR                        # all three parts
+    python scripts/bench_decode.py --out OUTDIR --parts kernel,sweep   # some of them
+
+``generate``: GPT-2 124M (configs/model/gpt2.yaml, randomly initialised: a step's time does not
+depend on the weights) generating greedily from a 16-token prompt to 1024 tokens (1008 new), at
+batch 1 and 8, bf16 under autocast as scripts/sample.py runs it. Rows:
+- ours, cached, with each decode step mode of model/generate.py: ``graph`` (the default on a GPU),
+  ``compile`` (torch.compile, reduce-overhead), ``eager``;
+- ours, cached, graph step, with the weights in bf16 instead of autocast (as transformers runs);
+- ours, cached, graph step, with SDPA attending over the static cache (rows past the length
+  masked, as a captured step must: the length lives on the device) in place of our kernel;
+- ours, uncached (the whole context again for every token), stopped after ``--time-cap`` seconds:
+  its tokens/s are over the tokens it made by then, the shortest contexts;
+- transformers' GPT2LMHeadModel with the same weights in bf16, ``generate`` with its static cache
+  (compiled, as generate does on a GPU by default; and with ``disable_compile=True``); skipped,
+  with the reason, where transformers does not import.
+Each is called once before it is timed: the compiled ones with the same length (their first call,
+compilation included, is reported as "first call s"), the others with 32 tokens (kernels compile,
+nothing depends on the length). "same tokens" counts the new tokens equal to ours (graph step)
+before the first difference (bf16 rounding differs between implementations).
+
+``kernel``: one new query against caches of 1k to 64k tokens, bf16, GPT-2's heads (H = H_kv = 12,
+D = 64) at batch 1 to 32 and a GQA shape (H = 32, H_kv = 8, D = 128) at batch 1 and 8: our kernel (its default
+splits) and SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDPA as
+it picks (the CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN
+and memory-efficient. Microseconds per call replayed from a CUDA graph (the GPU's time; our
+eager call's too), and GB/s of K and V read (2 * B * L * H_kv * D * 2 bytes), against the HBM's
+~3 TB/s on an H100.
+
+``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits, around
+the defaults, at caches of 1k (GPT-2's decode) and 32k, batch 1 and 8, GPT-2's heads.
+
+Writes generate.md/.json, kernel.md/.csv, sweep.md and env.json to --out. About 6 minutes on an
+H100. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.bench_common import (ROOT, command_line, environment, first_line, graph_median_ms, median_ms,  # noqa: E402
+                                  require_cuda)
+
+CUDA = torch.device("cuda")
+PARTS = ("generate", "kernel", "sweep")
+PROMPT, CONTEXT = 16, 1024
+WARMUP_TOKENS = 32
+LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+BATCHES = (1, 4, 8, 16, 32)
+HEADS = ((12, 12, 64), (32, 8, 128))  # (H, H_kv, D): GPT-2's, and a GQA shape
+GQA_BATCHES = (1, 8)  # the GQA shape's batches (of those asked for)
+SDPA_FORCED = {"FA2": "FLASH_ATTENTION", "cuDNN": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def timed(fn) -> tuple[object, float]:
+    """(fn(), wall seconds), the GPU synchronised before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+# --- generate -------------------------------------------------------------------------------------
+
+def gpt2_model():
+    """GPT-2 124M on the GPU as configs/model/gpt2.yaml shapes it, randomly initialised, sdpa prefill."""
+    import yaml
+
+    from model import GPT, ModelConfig
+    from model.attention import build_attention
+    from model.config import AttentionConfig, padded_vocab
+
+    shape = yaml.safe_load((ROOT / "configs" / "model" / "gpt2.yaml").read_text())
+    cfg = ModelConfig(**shape, vocab_size=padded_vocab(50257))
+    attention, _ = build_attention(AttentionConfig(name="sdpa"), CUDA)
+    torch.manual_seed(0)
+    with CUDA:
+        return GPT(cfg, attention).eval()
+
+
+def hf_gpt2(model, device: torch.device = CUDA, dtype: torch.dtype = torch.bfloat16):
+    """transformers' GPT2LMHeadModel holding ``model``'s weights (its Conv1D weights transposed; biases
+    our model does not have are zero), in ``dtype`` on ``device``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.cfg
+    config = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                        n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+    hf = GPT2LMHeadModel(config)
+    ours = model.state_dict()
+    state = {}
+    for key, like in hf.state_dict().items():
+        name = key.removeprefix("transformer.")
+        name = "blocks." + name[2:] if name.startswith("h.") else name
+        weight = ours.get(name)
+        if weight is None and key.endswith(".bias"):
+            weight = torch.zeros_like(like)
+        elif weight is None:
+            raise KeyError(f"no weight of ours for transformers' {key}")
+        conv1d = name.startswith("blocks.") and weight.dim() == 2  # transformers' Conv1D: (in, out)
+        state[key] = weight.t() if conv1d else weight
+    hf.load_state_dict(state)
+    return hf.to(device, dtype).eval()
+
+
+def sdpa_over_cache(q, k_cache, v_cache, cache_seqlens, window_size=None, gate_cache=None, num_splits=None):
+    """``flash_decode``'s place taken by SDPA: q (B, Tq, H, D) against every row of the static cache,
+    rows at or past each sequence's length masked (no window, no gate, one new query)."""
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    mask = (keys[None, :] < cache_seqlens[:, None].long())[:, None, None, :]  # (B, 1, 1, T_max)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                       attn_mask=mask, enable_gqa=q.shape[2] != k_cache.shape[2])
+    return o.transpose(1, 2)
+
+
+def uncached_rate(model, idx, new: int, cap_s: float) -> tuple[int, float]:
+    """(tokens made per sequence, seconds) of uncached greedy generation, in calls of 32 tokens, until
+    ``new`` tokens or ``cap_s`` seconds."""
+    made, spent = 0, 0.0
+    while made < new and spent < cap_s:
+        n = min(32, new - made)
+        with torch.autocast("cuda", torch.bfloat16):
+            idx, seconds = timed(lambda: model.generate(idx, n, temperature=0, use_cache=False))
+        made, spent = made + n, spent + seconds
+    return made, spent
+
+
+def same_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """New tokens equal in every row before the first difference."""
+    differ = (a[:, PROMPT:] != b[:, PROMPT:]).any(dim=0).nonzero()
+    return int(differ[0]) if len(differ) else a.shape[1] - PROMPT
+
+
+def measure(batch: int, name: str, run, new: int, compiled: bool, reference=None,
+            patch=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
+    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call:
+    of ``new`` tokens when ``compiled`` (a compiled graph is shaped by the length; that first call's
+    time is reported), else of ``WARMUP_TOKENS`` (what compiles does not depend on the length).
+    A run that fails gives a row that says why, and no output."""
+    try:
+        with patch():
+            _, first = timed(lambda: run(new if compiled else WARMUP_TOKENS))
+            out, seconds = timed(lambda: run(new))
+    except Exception as err:
+        row = dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
+                   first_call_s=None, same_tokens=None)
+        print(row_line(row), flush=True)
+        return row, None
+    row = dict(batch=batch, name=name, tokens=new, seconds=seconds, first_call_s=first if compiled else None,
+               same_tokens=same_prefix(out, reference if reference is not None else out))
+    print(row_line(row), flush=True)
+    return row, out
+
+
+def generate_rows(batches, cap_s: float) -> list[dict]:
+    from model import kv_cache
+
+    model = gpt2_model()
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    new = CONTEXT - PROMPT
+    rows = []
+    for batch in batches:
+        idx = torch.randint(0, 50257, (batch, PROMPT), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+
+        def ours(step, weights=model):
+            def run(n):
+                with torch.autocast("cuda", torch.bfloat16, enabled=weights is model):
+                    return weights.generate(idx, n, temperature=0, step=step)
+            return run
+
+        row, reference = measure(batch, "ours, cached, graph step", ours("graph"), new, compiled=False)
+        rows.append(row)
+        for name, run, compiled, patch in (
+                ("ours, cached, compile step", ours("compile"), True, contextlib.nullcontext),
+                ("ours, cached, eager step", ours("eager"), False, contextlib.nullcontext),
+                ("ours, cached, graph step, bf16 weights (no autocast)", ours("graph", bf16_model), False,
+                 contextlib.nullcontext),
+                ("ours, cached, graph step, SDPA over the static cache", ours("graph"), False,
+                 lambda: mock.patch.object(kv_cache, "flash_decode", sdpa_over_cache))):
+            rows.append(measure(batch, name, run, new, compiled, reference, patch)[0])
+        made, seconds = uncached_rate(model, idx, new, cap_s)
+        rows.append(dict(batch=batch, name=f"ours, uncached (stopped after {cap_s:g} s)", tokens=made, seconds=seconds,
+                         first_call_s=None, same_tokens=None))
+        print(row_line(rows[-1]), flush=True)
+        rows += transformers_rows(model, idx, new, reference)
+    return rows
+
+
+def transformers_rows(model, idx, new: int, reference) -> list[dict]:
+    """transformers' generate with its static cache on the same weights, compiled (its default on a GPU)
+    and not; or one row saying why not."""
+    batch = idx.shape[0]
+    try:
+        import transformers
+
+        hf = hf_gpt2(model)
+    except Exception as err:  # not installed, or an API this version lacks
+        row = dict(batch=batch, name=f"transformers: skipped ({first_line(err)})", tokens=0, seconds=None,
+                   first_call_s=None, same_tokens=None)
+        print(row_line(row), flush=True)
+        return [row]
+
+    def hf_run(**options):
+        def run(n):
+            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0, cache_implementation="static", **options)
+        return run
+
+    version = transformers.__version__
+    return [measure(batch, f"transformers {version}, static cache, compiled", hf_run(), new, True, reference)[0],
+            measure(batch, f"transformers {version}, static cache, disable_compile", hf_run(disable_compile=True),
+                    new, False, reference)[0]]
+
+
+def row_line(r: dict) -> str:
+    rate = f"{r['tokens'] / r['seconds']:.0f}" if r["seconds"] else "-"
+    total = f"{r['batch'] * r['tokens'] / r['seconds']:.0f}" if r["seconds"] else "-"
+    first = f"{r['first_call_s']:.2f}" if r["first_call_s"] is not None else "-"
+    same = "-" if r["same_tokens"] is None else str(r["same_tokens"])
+    seconds = f"{r['seconds']:.2f}" if r["seconds"] else "-"
+    return f"| {r['batch']} | {r['name']} | {r['tokens']} | {seconds} | {rate} | {total} | {first} | {same} |"
+
+
+GENERATE_HEAD = ["| batch | implementation | new tokens per sequence | s | tokens/s per sequence | tokens/s, all sequences | "
+                 "first call s | same tokens as ours (graph) |", "|---|---|---|---|---|---|---|---|"]
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+
+def launched_kernels(fn) -> str:
+    """The CUDA kernels one call of ``fn`` launches, by name (cut to 70 characters), ';'-separated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from training.profiling import kernel_times_us
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return "; ".join(name[:70] for name in kernel_times_us(prof))
+
+
+def gpu_us(fn) -> float:
+    """Microseconds per call of fn replayed from a CUDA graph; NaN where it cannot run or be captured."""
+    try:
+        fn()  # a kernel that cannot run here fails now, not inside a capture
+        return graph_median_ms(fn, rep=30) * 1e3
+    except Exception:
+        return float("nan")
+
+
+def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
+    """One row per (H, H_kv, D, B, L) (``kernel_row``); and the CUDA kernels SDPA launched as it
+    picks, at the first length of each (H, H_kv, D, B)."""
+    rows, picked = [], {}
+    for H, H_kv, D in HEADS:
+        for B in batches if H == H_kv else [b for b in batches if b in GQA_BATCHES]:
+            for L in lengths:
+                row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, name_sdpa=L == lengths[0])
+                if sdpa_kernels:
+                    picked[(H, H_kv, D, B)] = sdpa_kernels
+                rows.append(row)
+                print(kernel_line(row), flush=True)
+    return rows, picked
+
+
+def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tuple[dict, str]:
+    """Our kernel and each SDPA, one new query against a full cache of L keys, in microseconds; and,
+    with ``name_sdpa``, the kernels SDPA launched as it picks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.flash_decoding import default_splits, flash_decode
+
+    q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.full((B,), L, dtype=torch.int32, device=CUDA)
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+
+    def ours():
+        return flash_decode(q, k, v, lengths)
+
+    def sdpa(kernel=None):
+        def run():
+            with sdpa_kernel(getattr(SDPBackend, kernel)) if kernel else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=H != H_kv)
+        return run
+
+    row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, splits=default_splits(B, H_kv, L, D, CUDA),
+               gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours), ours_eager_us=median_ms(ours, CUDA) * 1e3,
+               sdpa_us=gpu_us(sdpa()))
+    row.update({f"{name}_us": gpu_us(sdpa(kernel)) for name, kernel in SDPA_FORCED.items()})
+    return row, launched_kernels(sdpa()) if name_sdpa else ""
+
+
+def kernel_line(r: dict) -> str:
+    def cell(us):
+        return "n/a" if us != us else f"{us:.1f} ({r['gb'] / (us * 1e-6):.0f})"
+
+    sdpa = [cell(r[f"{name}_us"]) for name in SDPA_FORCED]
+    return (f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['splits']} | {cell(r['ours_us'])} | "
+            f"{r['ours_eager_us']:.1f} | {cell(r['sdpa_us'])} | " + " | ".join(sdpa) + " |")
+
+
+KERNEL_HEAD = ["| H/H_kv/D | B | cache L | splits | ours µs (GB/s) | ours eager µs | SDPA µs (GB/s) | "
+               + " | ".join(f"SDPA {name} µs (GB/s)" for name in SDPA_FORCED) + " |",
+               "|---|---|---|---|---|---|---|" + "---|" * len(SDPA_FORCED)]
+
+
+# --- sweep ----------------------------------------------------------------------------------------
+
+def sweep_rows(batches, lengths=(1024, 32768)) -> list[str]:
+    """Table lines: each launch setting of the split kernel around the defaults, µs (GB/s)."""
+    from kernels.flash_decoding import decode_launch, default_splits
+    from kernels.flash_decoding.kernel import NUM_STAGES, NUM_WARPS, block_n_for
+
+    H, H_kv, D = HEADS[0]
+    lines = []
+    for B, length in ((B, L) for L in lengths for B in batches):
+        q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
+        k, v = (torch.randn(B, length, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+        lengths = torch.full((B,), length, dtype=torch.int32, device=CUDA)
+        splits = default_splits(B, H_kv, length, D, CUDA)
+        gb = 2 * B * length * H_kv * D * 2 / 1e9
+        settings = [(bn, w, NUM_STAGES, splits) for bn in (32, 64, 128) for w in (2, 4, 8)]
+        settings += [(block_n_for(D), NUM_WARPS, st, splits) for st in (2, 4)]
+        settings += [(block_n_for(D), NUM_WARPS, NUM_STAGES, max(1, int(splits * f))) for f in (0.5, 2, 4)]
+        for bn, warps, stages, s in dict.fromkeys(settings):  # each once, in order
+            us = gpu_us(lambda: decode_launch(q, k, v, lengths, None, D ** -0.5, 0, s, bn, warps, stages))
+            default = " (default)" if (bn, warps, stages, s) == (block_n_for(D), NUM_WARPS, NUM_STAGES, splits) else ""
+            lines.append(f"| {length} | {B} | {bn} | {warps} | {stages} | {s}{default} | "
+                         + ("n/a" if us != us else f"{us:.1f} | {gb / (us * 1e-6):.0f}") + " |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+SWEEP_HEAD = ["| cache L | B | BLOCK_N | warps | stages | splits | µs | GB/s |", "|---|---|---|---|---|---|---|---|"]
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+def parse_list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the tables and raw results")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--batches", default="1,8", help="generate: batch sizes")
+    parser.add_argument("--kernel-batches", default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
+    parser.add_argument("--time-cap", type=float, default=15.0, help="generate: seconds the uncached run may take")
+    args = parser.parse_args()
+    parts = parse_list(args.parts)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: {', '.join(unknown)} is not one of {', '.join(PARTS)}")
+    require_cuda("bench_decode.py", "times generation and the decode kernel",
+                 "the kernel's tests run under the interpreter (python -m pytest tests/test_flash_decoding.py)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(CUDA)
+    (args.out / "env.json").write_text(json.dumps(dict(env, command=command_line("bench_decode.py")), indent=1) + "\n")
+    title = (f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, commit {env['commit']}; "
+             f"`{command_line('bench_decode.py')}`")
+    if "generate" in parts:
+        print("\n".join(GENERATE_HEAD), flush=True)
+        rows = generate_rows([int(b) for b in parse_list(args.batches)], args.time_cap)
+        write(args.out / "generate", f"# Generation, GPT-2 124M, {PROMPT} -> {CONTEXT} tokens: {title}", GENERATE_HEAD,
+              [row_line(r) for r in rows], rows)
+    if "kernel" in parts:
+        print("\n".join(KERNEL_HEAD), flush=True)
+        rows, picked = kernel_rows([int(x) for x in parse_list(args.lengths)], [int(b) for b in parse_list(args.kernel_batches)])
+        notes = [f"- SDPA's kernels at H/H_kv/D {h}/{hk}/{d}, B {b}: {names}" for (h, hk, d, b), names in picked.items()]
+        write(args.out / "kernel", f"# Decode kernel, one new query, bf16: {title}", KERNEL_HEAD,
+              [kernel_line(r) for r in rows] + [""] + notes, rows)
+    if "sweep" in parts:
+        print("\n".join(SWEEP_HEAD), flush=True)
+        lines = sweep_rows([1, 8])
+        write(args.out / "sweep", f"# Split-kernel settings, H/H_kv/D 12/12/64, bf16: {title}", SWEEP_HEAD,
+              lines, None)
+
+
+def write(stem: Path, title: str, head: list[str], lines: list[str], rows) -> None:
+    """stem.md (the table) and, with rows, stem.json or stem.csv beside it."""
+    stem.with_suffix(".md").write_text("\n".join([title, "", *head, *lines]) + "\n")
+    if rows and "L" in rows[0]:
+        with open(stem.with_suffix(".csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif rows:
+        stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
