@@ -308,6 +308,8 @@ def test_sources_that_cannot_start_a_run_are_refused_in_one_line(hf_models, tmp_
     with pytest.raises(UserError, match=r"^model.init_from=.* was trained with the gpt2 tokenizer .*, but the data gives "
                                         r"the char tokenizer \(65 characters\): its token ids would mean other text"):
         pretrained.open_checked(str(gpt2_folder), CharTokenizer.from_text(CORPUS))
+    with pytest.raises(UserError, match=r"^model.init_from=.*llama has 128 token ids, fewer than the 50257 of the data's"):
+        pretrained.open_checked(str(hf_models["llama"][0]), GPT2Tokenizer())
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"^model.init_from=.*empty is neither a Hugging Face model folder \(it has no "
                                         r"config.json\) nor a nanoflash checkpoint"):

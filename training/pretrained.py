@@ -92,6 +92,10 @@ def open_checked(init_from: str, tokenizer: Tokenizer) -> Source:
         raise UserError(f"{source.where} was trained with {describe(source.tokenizer)}, but the data gives "
                         f"{describe(tokenizer.identity)}: its token ids would mean other text; "
                         + hint.get(source.tokenizer["tokenizer"], "nanoflash trains with GPT-2 BPE or char tokenizers"))
+    if source.fields["vocab_size"] < tokenizer.vocab_size:
+        raise UserError(f"{source.where} has {source.fields['vocab_size']} token ids, fewer than the "
+                        f"{tokenizer.vocab_size} of the data's tokenizer ({describe(tokenizer.identity)}); start from a "
+                        "model of that tokenizer")
     return source
 
 
