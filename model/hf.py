@@ -86,7 +86,7 @@ def holds(rule, cfg: ModelConfig, key: str) -> bool:
 
 
 def describe_family(family: Family) -> str:
-    """``GPT-2 (pos=learned norm=layernorm gate=none mlp=gelu n_kv_head=n_head)``, from FIELDS."""
+    """``GPT-2 (norm=layernorm pos=learned gate=none mlp=gelu n_kv_head=n_head)``, from FIELDS."""
     rules = [(key, getattr(field, family.key)) for key, field in FIELDS.items() if getattr(field, family.key) != ANY]
     rules.sort(key=lambda rule: rule[1] == MULTI_HEAD)  # the choices first
     return f"{family.name} ({' '.join(rule if rule == MULTI_HEAD else f'{key}={rule[0]}' for key, rule in rules)})"
@@ -170,7 +170,8 @@ def slots(cfg: ModelConfig, family: Family, bias: bool) -> List[Slot]:
             attn, mlp = f"{theirs}.self_attn", f"{theirs}.mlp"
             out += [Slot(f"{ours}.attn.c_attn.{kind}", tuple(f"{attn}.{p}_proj.{kind}" for p in "qkv"), (q, kv, kv)),
                     Slot(f"{ours}.attn.c_proj.{kind}", (f"{attn}.o_proj.{kind}",)),
-                    Slot(f"{ours}.mlp.c_fc.{kind}", (f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"), (hidden, hidden)),
+                    Slot(f"{ours}.mlp.c_fc.{kind}", (f"{mlp}.gate_proj.{kind}", f"{mlp}.up_proj.{kind}"),
+                         (hidden, hidden)),
                     Slot(f"{ours}.mlp.c_proj.{kind}", (f"{mlp}.down_proj.{kind}",))]
     return out + [Slot("ln_f.weight", ("model.norm.weight",))]
 
@@ -201,8 +202,8 @@ def from_hf(cfg: ModelConfig, family: Family, theirs: Dict[str, torch.Tensor], w
     missing = [name for slot in wanted for name in slot.theirs if name not in theirs]
     extra = sorted(set(theirs) - {name for slot in wanted for name in slot.theirs})
     if missing or extra:
-        listed = (f"{len(missing)} missing ({missing[0]}, ...)" if missing else "") + (", " if missing and extra else "") \
-            + (f"{len(extra)} it has no place for ({extra[0]}, ...)" if extra else "")
+        listed = ", ".join(([f"{len(missing)} missing ({missing[0]}, ...)"] if missing else [])
+                           + ([f"{len(extra)} it has no place for ({extra[0]}, ...)"] if extra else []))
         raise UserError(f"{where}: its weights do not fit its config.json: {listed}")
     out = {}
     for slot in wanted:
@@ -216,8 +217,9 @@ def family_of(config: dict, where: str) -> Family:
     """The family of a config.json; UserError when nanoflash loads no such model."""
     family = next((f for f in FAMILIES if f.model_type == config.get("model_type")), None)
     if family is None:
-        raise UserError(f"{where}: config.json has model_type={config.get('model_type')!r}; nanoflash loads "
-                        f"{' and '.join(f.model_type for f in FAMILIES)} models ({', '.join(f.architecture for f in FAMILIES)})")
+        names = " and ".join(f.model_type for f in FAMILIES)
+        raise UserError(f"{where}: config.json has model_type={config.get('model_type')!r}; nanoflash loads {names} "
+                        f"models ({', '.join(f.architecture for f in FAMILIES)})")
     return family
 
 
@@ -228,7 +230,8 @@ def fields_from_hf(config: dict, where: str) -> Tuple[Family, dict]:
     if family is GPT2:
         n_embd = config.get("n_embd", 768)
         fields = dict(n_layer=config.get("n_layer", 12), n_head=config.get("n_head", 12), n_kv_head=None,
-                      n_embd=n_embd, block_size=config.get("n_positions", 1024), vocab_size=config.get("vocab_size", 50257),
+                      n_embd=n_embd, block_size=config.get("n_positions", 1024),
+                      vocab_size=config.get("vocab_size", 50257),
                       bias=True, norm="layernorm", pos="learned", gate="none", mlp="gelu")
         wanted = {"activation_function": (config.get("activation_function", "gelu_new"), GPT2_ACTIVATIONS),
                   "n_inner": (config.get("n_inner"), (None, 4 * n_embd)),

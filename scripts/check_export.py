@@ -93,7 +93,8 @@ def main(argv=None) -> dict:
     texts["sample.py run"], texts["sample.py hf"] = sample_script(Path(args.run), args), sample_script(folder, args)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "seconds": seconds,
-              "prompt_tokens": prompt.shape[1], "new_tokens": {name: len(row) - prompt.shape[1] for name, row in ids.items()},
+              "prompt_tokens": prompt.shape[1],
+              "new_tokens": {name: len(row) - prompt.shape[1] for name, row in ids.items()},
               "pairs": compare(ids, texts), "texts": texts}
     (Path(args.out) / "check_export.json").write_text(json.dumps(report, indent=1) + "\n")
     for key, value in seconds.items():

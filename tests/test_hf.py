@@ -17,7 +17,7 @@ from data.hf_tokenizer import folder_tokenizer, write_tokenizer
 from data.tokenizers import GPT2_DIR, CharTokenizer, GPT2Tokenizer
 from errors import UserError
 from model import ModelConfig
-from model.hf import FIELDS, GPT2, LLAMA, export_family
+from model.hf import FIELDS, GPT2, LLAMA, export_family, from_hf, to_hf
 from training import pretrained
 from training.checkpoint import load_checkpoint
 from training.cli import compose_config, model_options_given
@@ -99,6 +99,7 @@ def test_a_bias_free_gpt2_exports_zero_biases_and_the_padding_ids_are_never_gene
     assert len(biases) == 2 * 2 + 4 * 2 + 1 and all(not b.any() for b in biases)  # ln_1/2, 4 Linear per block, ln_f
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation["suppress_tokens"] == list(range(50257, 50304)) and generation["eos_token_id"] == 50256
+    assert list(theirs.generation_config.suppress_tokens) == generation["suppress_tokens"]  # what generate applies
     assert theirs.config.vocab_size == 50304 and len(transformers.AutoTokenizer.from_pretrained(folder)) == 50257
 
 
@@ -136,7 +137,8 @@ def test_a_sharded_checkpoint_exports_the_same_weights(exported, tmp_path):
     dcp.save({"model": state["model"]}, checkpoint_id=sharded, no_dist=True)
     torch.save({k: v for k, v in state.items() if k not in ("model", "optimizer", "sharded")}, sharded / "meta.pt")
     assert load_checkpoint(sharded)["sharded"]
-    a, b = load_file(export(tmp_path / "run", tmp_path / "hf") / "model.safetensors"), load_file(whole / "model.safetensors")
+    a = load_file(export(tmp_path / "run", tmp_path / "hf") / "model.safetensors")
+    b = load_file(whole / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -157,6 +159,20 @@ def test_what_neither_family_holds_is_refused_in_one_line(options, window, messa
     with pytest.raises(UserError) as err:
         export_family(dataclasses.replace(ModelConfig(n_head=4, n_embd=64), **options), window)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("options", [dict(bias=True), dict(bias=False), dict(LLAMA_OPTIONS, bias=True), LLAMA_OPTIONS],
+                         ids=["gpt2-bias", "gpt2-nobias", "llama-bias", "llama-nobias"])
+def test_the_mapping_round_trips_every_tensor(options):
+    """to_hf then from_hf gives our weights back; a GPT-2 without biases comes back with zero ones."""
+    cfg = dataclasses.replace(ModelConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=128), **options)
+    ours = {k: torch.randn_like(v) for k, v in plain_model(cfg, CPU).state_dict().items()}
+    ours["lm_head.weight"] = ours["wte.weight"]
+    family = export_family(cfg, None)
+    back = from_hf(dataclasses.replace(cfg, bias=cfg.bias or family is GPT2), family, to_hf(cfg, family, ours), "x")
+    assert all(torch.equal(back[k], v) for k, v in ours.items())
+    assert all(not back[k].any() for k in set(back) - set(ours)) and len(set(back) - set(ours)) == (
+        0 if cfg.bias or family is LLAMA else 2 * 2 + 4 * 2 + 1)
 
 
 def test_every_model_option_is_classified_for_export_and_import():
@@ -227,7 +243,8 @@ def import_config(cache: str, folder: Path, tokenizer: str, steps: int, **given)
     cfg = tiny_config(cache, max_steps=steps, batch_size=2, eval_interval=steps, eval_iters=1, ckpt_interval=2)
     if tokenizer == "gpt2":
         cfg.data = DataConfig(cache_dir=cache)
-    cfg.model = pretrained.resolve(dataclasses.replace(cfg.model, init_from=str(folder), **given), set(given) | {"init_from"})
+    cfg.model = dataclasses.replace(cfg.model, init_from=str(folder), **given)
+    cfg.model = pretrained.resolve(cfg.model, set(given) | {"init_from"})
     validate(cfg)
     return cfg
 
@@ -308,7 +325,7 @@ def test_sources_that_cannot_start_a_run_are_refused_in_one_line(hf_models, tmp_
     with pytest.raises(UserError, match=r"^model.init_from=.* was trained with the gpt2 tokenizer .*, but the data gives "
                                         r"the char tokenizer \(65 characters\): its token ids would mean other text"):
         pretrained.open_checked(str(gpt2_folder), CharTokenizer.from_text(CORPUS))
-    with pytest.raises(UserError, match=r"^model.init_from=.*llama has 128 token ids, fewer than the 50257 of the data's"):
+    with pytest.raises(UserError, match=r"^model.init_from=.*llama has 128 token ids, fewer than the 50257 of the "):
         pretrained.open_checked(str(hf_models["llama"][0]), GPT2Tokenizer())
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"^model.init_from=.*empty is neither a Hugging Face model folder \(it has no "
@@ -345,7 +362,8 @@ def test_finetune_shakespeare_is_nanogpts_preset_with_the_shape_of_the_folder(hf
     t, o = cfg.trainer, cfg.optim
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.block_size, cfg.model.dropout) == (2, 32, 64, 0.0)
     assert (cfg.data.name, cfg.data.tokenizer) == ("shakespeare", "gpt2")
-    assert (t.batch_size, t.grad_accum, t.max_steps, t.eval_interval, t.eval_iters, t.keep_best) == (1, 32, 20, 5, 40, True)
+    assert (t.batch_size, t.grad_accum, t.max_steps) == (1, 32, 20)
+    assert (t.eval_interval, t.eval_iters, t.keep_best) == (5, 40, True)
     assert (o.lr, o.schedule, o.warmup_steps) == (3e-5, "constant", 0)
 
 

@@ -122,7 +122,8 @@ def load_weights(model: GPT, source: Source) -> dict:
 
 
 def describe_origin(origin: dict) -> str:
-    return f"weights from {origin['init_from']} ({origin['format']}{'; ' + NO_TOKENIZER if 'tokenizer' in origin else ''})"
+    note = f"; {NO_TOKENIZER}" if "tokenizer" in origin else ""
+    return f"weights from {origin['init_from']} ({origin['format']}{note})"
 
 
 def load(model: GPT, weights: Dict[str, torch.Tensor], where: str) -> None:
