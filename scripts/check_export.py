@@ -4,8 +4,8 @@
 
 Exports the run (scripts/export_hf.py) to <out>/hf, loads it with transformers in fp32 and bf16,
 and decodes ``--tokens`` tokens greedily from ``--prompt`` with each; beside them the same from our
-model in fp32 (in this process) and from `scripts/sample.py --temperature 0` on the run and on the
-exported folder (which sample with bf16 autocast on a GPU). Prints, and writes to
+model in fp32 (in this process) and from `scripts/sample.py --temperature 0`: on the run and on the
+exported folder in fp32, and on the run with its default precision (bf16 autocast on a GPU). Prints, and writes to
 <out>/check_export.json, the seconds of the export and of each load, and for every pair of decoders
 whether the texts are equal and how many characters (and tokens, where both gave ids) agree before
 the first difference. Needs transformers and safetensors.
@@ -47,11 +47,11 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def sample_script(path: Path, args) -> str:
-    """The text `scripts/sample.py --temperature 0` prints for ``path``."""
+def sample_script(path: Path, dtype: str, args) -> str:
+    """The text `scripts/sample.py --temperature 0 --dtype <dtype>` prints for ``path``."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample.py"), str(path), "--prompt", args.prompt,
-                           "--tokens", str(args.tokens), "--temperature", "0", "--device", args.device],
-                          capture_output=True, text=True, check=True)
+                           "--tokens", str(args.tokens), "--temperature", "0", "--device", args.device,
+                           "--dtype", dtype], capture_output=True, text=True, check=True)
     return proc.stdout.split("\n---")[0]
 
 
@@ -62,12 +62,12 @@ def agreement(a, b) -> int:
 
 def compare(ids: dict, texts: dict) -> dict:
     """For every pair of decoders: whether their texts are equal, the characters they share before the
-    first difference, and (where both gave ids) the tokens."""
+    first difference, and (where both gave ``ids``: the new tokens) the new tokens."""
     names = list(texts)
     pairs = {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            pair = {"same_text": texts[a] == texts[b], "agreeing_chars": agreement(texts[a], texts[b])}
+            pair = {"same_text": texts[a] == texts[b], "agreeing_chars": agreement(texts[a], texts[b])}  # prompt included
             if a in ids and b in ids:
                 pair["agreeing_tokens"] = agreement(ids[a], ids[b])
             pairs[f"{a} | {b}"] = pair
@@ -90,17 +90,19 @@ def main(argv=None) -> dict:
         with torch.no_grad():
             ids[f"transformers {name}"] = theirs.generate(prompt, max_new_tokens=args.tokens, do_sample=False)[0].tolist()
     texts = {name: tokenizer.decode(row) for name, row in ids.items()}
-    texts["sample.py run"], texts["sample.py hf"] = sample_script(Path(args.run), args), sample_script(folder, args)
+    ids = {name: row[prompt.shape[1]:] for name, row in ids.items()}
+    for name, path, dtype in (("run", Path(args.run), "fp32"), ("hf", folder, "fp32"), ("run", Path(args.run), "auto")):
+        texts[f"sample.py {name} {dtype}"] = sample_script(path, dtype, args)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "seconds": seconds,
               "prompt_tokens": prompt.shape[1],
-              "new_tokens": {name: len(row) - prompt.shape[1] for name, row in ids.items()},
+              "new_tokens": {name: len(row) for name, row in ids.items()},
               "pairs": compare(ids, texts), "texts": texts}
     (Path(args.out) / "check_export.json").write_text(json.dumps(report, indent=1) + "\n")
     for key, value in seconds.items():
         print(f"{key:>12}: {value:.2f} s")
     for pair, result in report["pairs"].items():
-        tokens = f", {result['agreeing_tokens']} tokens" if "agreeing_tokens" in result else ""
+        tokens = f", {result['agreeing_tokens']} new tokens" if "agreeing_tokens" in result else ""
         print(f"{pair:>36}: {'same text' if result['same_text'] else 'texts differ'} ({result['agreeing_chars']} "
               f"characters{tokens} agree)")
     return report

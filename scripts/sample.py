@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast precision; auto: bf16 on a GPU that has it, fp32 on CPU")
     return p.parse_args(argv)
 
 
@@ -82,7 +84,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     check_args(args)
     device = resolve_device(args.device)
-    dtype = resolve_dtype("auto", device)
+    dtype = resolve_dtype(args.dtype, device)
     model, tokenizer = load_model(Path(args.checkpoint), device)
     prompt = encode_prompt(tokenizer, args.prompt)
     gen = torch.Generator(device=device).manual_seed(args.seed)
