@@ -5,6 +5,7 @@ fix (train.py and the scripts catch it and exit with status 2); everything else 
 its traceback. This is the bottom layer: kernels/, data/, model/ and training/ may all import it,
 and it imports nothing of theirs.
 """
+import importlib
 import math
 from typing import Iterable
 
@@ -31,3 +32,11 @@ def check_positive(option: str, value, allow_zero: bool = False, kind: str = "nu
     check_finite(option, value)
     if value < 0 or (value == 0 and not allow_zero):
         raise UserError(f"{option}={value} must be {'>= 0' if allow_zero else f'a positive {kind}'}")
+
+
+def import_optional(module: str, needed_for: str, pip: str):
+    """``module`` imported, or UserError: ``needed_for`` needs it, and the ``pip`` command that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(f"{needed_for} needs the {module.split('.')[0]} package: `{pip}`") from err

@@ -1,4 +1,5 @@
 """ModelConfig: the shape of the GPT, and the checks that reject impossible shapes early."""
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -8,6 +9,8 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
 GATES = ("none", "forget")
 MLPS = ("gelu", "swiglu")
+NORM_EPS = 1e-5  # of every LayerNorm and RMSNorm (exported as layer_norm_epsilon / rms_norm_eps)
+ROPE_BASE = 10000.0  # rotary angles' base (exported as rope_theta)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ModelConfig:
     mlp: str = "gelu"
     activation_checkpointing: bool = False
     loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
+    init_from: Optional[str] = None  # start from these weights: a Hugging Face GPT-2/Llama folder or hub name, or a nanoflash run folder or checkpoint (training/init_from.py)
 
     @property
     def kv_heads(self) -> int:
@@ -39,6 +43,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """Width of the MLP's hidden layer: 4 x n_embd (gelu), about 8/3 x rounded up to a multiple of 64 (swiglu)."""
+        return 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
 
     @property
     def attention_dropout_p(self) -> float:

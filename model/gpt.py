@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
-from model.config import ModelConfig
+from model.config import NORM_EPS, ROPE_BASE, ModelConfig
 from model.generate import Sampler, generate_cached
 from model.kv_cache import KVCache, LayerCache
 from model.loss import lm_loss
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float = ROPE_BASE) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles of tokens at ``positions`` (T,): each (T, head_dim // 2), fp32."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = torch.outer(positions.float(), inv_freq)
@@ -38,8 +38,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.n_embd)
-    return nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        return nn.RMSNorm(cfg.n_embd, eps=NORM_EPS)
+    return nn.LayerNorm(cfg.n_embd, eps=NORM_EPS, bias=cfg.bias)
 
 
 class Projected(NamedTuple):
@@ -116,7 +116,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gated = cfg.mlp == "swiglu"
-        hidden = 4 * cfg.n_embd if not self.gated else 64 * math.ceil(8 * cfg.n_embd / 3 / 64)
+        hidden = cfg.mlp_hidden
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.gated else hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_projection = True

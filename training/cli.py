@@ -13,7 +13,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from errors import UserError
+from training import pretrained
 from training.config import TrainConfig, register_configs, validate
 from training.errors import Interrupted, OutOfMemory
 
@@ -259,8 +260,16 @@ def compose_config(overrides: List[str]) -> TrainConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="train", overrides=overrides))
+    cfg.model = pretrained.resolve(cfg.model, model_options_given(overrides))
     validate(cfg)
     return cfg
+
+
+def model_options_given(overrides: List[str]) -> Set[str]:
+    """The model options ``overrides`` (the command line's) set by key, ``model.n_layer=4`` -> n_layer;
+    a group choice (model=tiny) and the files it and any experiment bring set none."""
+    keys = (o.key_or_group for o in parse_overrides(list(overrides)) if not o.is_delete())
+    return {key.split(".", 1)[1] for key in keys if key.startswith("model.")}
 
 
 def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
@@ -270,6 +279,7 @@ def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
     except OmegaConfBaseException as err:
         where = f" (at {err.full_key})" if getattr(err, "full_key", None) else ""
         raise UserError(f"the config does not resolve: {str(err).splitlines()[0]}{where}") from err
+    typed.model = pretrained.resolve(typed.model, model_options_given(HydraConfig.get().overrides.task))
     validate(typed)
     for key, value in _leaves(dataclasses.asdict(typed)):
         # An escaped \${...}: saving the config would read it as an interpolation again.

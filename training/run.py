@@ -9,7 +9,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from omegaconf import OmegaConf
@@ -21,7 +21,7 @@ from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import padded_vocab
-from training import distributed
+from training import distributed, pretrained
 from training.checkpoint import Checkpointer, restore
 from training.config import TrainConfig
 from training.context_parallel import SequenceShard
@@ -73,10 +73,12 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
 
     data = prepare_once(cfg.data, ranks)
     tokenizer = load_tokenizer(data.manifest)
+    source = pretrained.open_checked(cfg.model.init_from, tokenizer) if cfg.model.init_from else None
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
     batch_size = resolve_batch_size(t.batch_size, model_cfg, cfg, device, dtype)
     attention, backend = build_attention(cfg.attention, device, ranks.context_group)
     model = GPT(model_cfg, attention).to(device)
+    origin = pretrained.load_weights(model, source) if source else None
     parallel_model = distributed.wrap(model, ranks, device, dtype)
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
@@ -98,9 +100,10 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
            f"{model_cfg.block_size // ranks.context_size} tokens of each sequence per rank)"
            if ranks.context_size > 1 else "")
         + f" | run dir {run_dir}" + (f" | resumed at step {start_step}" if start_step else "")
+        + (f" | {pretrained.describe_origin(origin)}" if origin and not start_step else "")
     )
     if ranks.is_main and not finished:
-        write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size)
+        write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size, origin)
 
     step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
     shard = SequenceShard(ranks.context_rank, ranks.context_size)
@@ -176,8 +179,10 @@ def compiled(parallel_model, ranks: distributed.Ranks):
     return parallel_model
 
 
-def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int) -> None:
-    """run.json: what actually ran (the backend after any fallback, the GPU, the versions)."""
+def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int,
+                   origin: Optional[dict]) -> None:
+    """run.json: what actually ran (the backend after any fallback, the GPU, the versions) and where the
+    first weights came from (model.init_from; null: initialized at random)."""
     info = {
         "attention": backend,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -186,6 +191,7 @@ def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, ba
         "triton": triton_version_or_none(),
         "params": n_params,
         "batch_size": batch_size,
+        "init_from": origin,
     }
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
 
