@@ -12,7 +12,7 @@ import training.step
 from model.gpt import GPT
 from training import loop
 from training.checkpoint import list_checkpoints
-from training.cli import exit_on_user_error
+from training.exits import exit_on_error
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_sighup_saves_and_exits_129_like_sigterm(tmp_path, data_cache, monkeypat
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(training.run, "train_step", step_then_hangup)
-    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+    with pytest.raises(SystemExit) as exited, exit_on_error():
         loop.train(tiny_config(data_cache, max_steps=20, ckpt_interval=100), tmp_path)
     assert exited.value.code == 128 + signal.SIGHUP
     assert "SIGHUP: stopped after step 3" in capsys.readouterr().err
