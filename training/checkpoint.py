@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from data.config import DataConfig
 from data.folders import out_of_space
-from data.tokenizers import describe_tokenizer
+from data.tokenizers import GPT2Tokenizer, describe_tokenizer
 from errors import UserError
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training import distributed
@@ -305,7 +305,7 @@ def _checked_fields(state: dict) -> ModelConfig:
                 raise Problem(f"it has no {name!r}")
             continue
         if not _is(state[name], kind):
-            raise Problem(f"its {name!r} is a {type(state[name]).__name__}, not {_kind_name(kind)}")
+            raise Problem(f"its {name!r} is of type {type(state[name]).__name__}, not {_kind_name(kind)}")
     if state["step"] < 0:
         raise Problem(f"its step is {state['step']}")
     if ("tokenizer" in state) != ("corpus" in state):
@@ -321,6 +321,9 @@ def _checked_fields(state: dict) -> ModelConfig:
         _check_section(config[name], schema, f"config.{name}")
     model_cfg = ModelConfig(**config["model"])
     model_cfg.vocab_size = _vocab_size(state, model_cfg)
+    tokens = _tokenizer_size(state.get("tokenizer"))
+    if tokens > model_cfg.vocab_size:
+        raise Problem(f"its tokenizer has {tokens} tokens, more than its model's vocab_size {model_cfg.vocab_size}")
     try:
         validate_model(model_cfg)
     except UserError as err:
@@ -344,7 +347,7 @@ def _kind_name(kind) -> str:
 def _check_section(values, schema, where: str) -> None:
     """``values`` (a dict) holds only keys of the dataclass ``schema``, each of its type."""
     if not isinstance(values, dict):
-        raise Problem(f"its {where} is a {type(values).__name__}, not a dict")
+        raise Problem(f"its {where} is of type {type(values).__name__}, not dict")
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key, value in values.items():
         if key not in fields:
@@ -366,6 +369,13 @@ def _vocab_size(state: dict, model_cfg: ModelConfig) -> int:
     if vocab <= 0 or (model_cfg.vocab_size is not None and model_cfg.vocab_size != vocab):
         raise Problem(f"its vocab_size {vocab} disagrees with its config's model.vocab_size={model_cfg.vocab_size}")
     return vocab
+
+
+def _tokenizer_size(identity: Optional[dict]) -> int:
+    """How many token ids a checkpoint's tokenizer gives (0 when it records none)."""
+    if identity is None:
+        return 0
+    return len(identity["chars"]) if identity["tokenizer"] == "char" else GPT2Tokenizer.vocab_size
 
 
 def _check_lineage_fields(tokenizer: dict, corpus: dict) -> None:
@@ -551,8 +561,9 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
             return 0, None, None
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
-        check_newer(path, state["step"], run_dir, ranks.is_main)
     validate_checkpoint(path, state)
+    if resume != "auto":
+        check_newer(path, state["step"], run_dir, ranks.is_main)
     changes = check_changes(path, state, config, model.cfg, lineage, ranks.is_main)
     check_lineage(path, state, lineage, ranks.is_main, data_changed=any(k.startswith("data.") for k, _, _ in changes))
     check_layout(path, state, ranks)

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from errors import UserError, first_line
 from training.config import TrainConfig, register_configs, validate
-from training.exits import exit_on_error, fail  # noqa: F401 -- the scripts' policy, imported from here too
+from training.exits import fail
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "configs"

@@ -32,13 +32,18 @@ def one_line(text: str, width: int = 600) -> str:
     return joined if len(joined) <= width else joined[:width - 3] + "..."
 
 
+STOPPED_OUTSIDE_THE_STEPS = "interrupted outside the training steps; checkpoints written so far are kept"
+
+
 @contextlib.contextmanager
-def exit_on_error():
-    """Run the body under the policy above; stop signals raise inside it (training/signals.py).
+def exit_on_error(stopped: str = STOPPED_OUTSIDE_THE_STEPS):
+    """Run the body under the policy above; stop signals raise inside it (training/signals.py), and
+    end the process with "<SIGNAL>: ``stopped``".
 
     Hydra is told to raise its errors (HYDRA_FULL_ERROR=1) rather than print them over several lines
     with status 1, so that they reach this policy too.
     """
+    hydra_full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         with signals_raise():
@@ -49,7 +54,12 @@ def exit_on_error():
         signum = signal_of(err)
         if SHOW_TRACEBACK and signum is None and not isinstance(err, UserError):
             raise
-        end(err, signum)
+        end(err, signum, stopped)
+    finally:
+        if hydra_full_error is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = hydra_full_error
 
 
 def signal_of(err: BaseException):
@@ -64,14 +74,13 @@ def signal_of(err: BaseException):
     return None
 
 
-def end(err: BaseException, signum) -> None:
+def end(err: BaseException, signum, stopped: str) -> None:
     """Print ``err`` as one line and exit with its status."""
     if isinstance(err, Interrupted):
         print(str(err), file=sys.stderr)
         sys.exit(128 + err.signum)
     if signum is not None:
-        print(f"{signal.Signals(signum).name}: interrupted outside the training steps; checkpoints written so far are "
-              "kept", file=sys.stderr)
+        print(f"{signal.Signals(signum).name}: {stopped}", file=sys.stderr)
         sys.exit(128 + signum)
     if isinstance(err, UserError):
         fail(str(err))

@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-import torch
-
 from data.loader import TokenCacheChanged
 from training import distributed
 from training.checkpoint import list_checkpoints, rng_state
