@@ -24,7 +24,8 @@ register_configs()
 
 @hydra.main(config_path=str(ROOT / "configs"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    print(summary(prepare_from_config(cfg.data)))
+    with exit_on_error():  # in the job: an error escaping it would add Hydra's "Error executing job" line
+        print(summary(prepare_from_config(cfg.data)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ DAMAGES = [  # (what is changed, the value, the first problem named)
     pytest.param("config/model/n_head", "two", "its config.model.n_head is 'two', not int", id="model-key-of-another-type"),
     pytest.param("config/model/n_head", 3, "its config makes no model: model.n_embd=32 is not divisible by model.n_head=3", id="impossible-model"),
     pytest.param("vocab_size", 7, "its tokenizer has 65 tokens, more than its model's vocab_size 7", id="vocabulary-too-small"),
-    pytest.param("tokenizer", {"tokenizer": "bpe"}, "names no tokenizer of ours", id="unknown-tokenizer"),
+    pytest.param("tokenizer", {"tokenizer": "bpe"}, "its tokenizer record {'tokenizer': 'bpe'} names no tokenizer of ours", id="unknown-tokenizer"),
     pytest.param("model/wte.weight", lambda t: t[:, :8], "its weight wte.weight is (128, 8) torch.float32 where the model has (128, 32)", id="weight-of-another-shape"),
     pytest.param("model/blocks.0.attn.c_proj.weight", DELETE, "its weights lack blocks.0.attn.c_proj.weight", id="missing-weight"),
     pytest.param("model/blocks.0.extra", torch.ones(1), "its weights have 'blocks.0.extra', which the model has not", id="extra-weight"),

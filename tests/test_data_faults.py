@@ -72,8 +72,10 @@ def test_a_loader_whose_file_shrinks_raises_instead_of_dying(tmp_path):
 
 
 def test_a_cache_truncated_during_a_run_saves_the_last_step_and_the_next_run_resumes(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
+    cache, corpus = tmp_path / "cache", tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     cfg = tiny_config(str(cache), max_steps=8, ckpt_interval=100, eval_interval=100)
+    cfg.data.path = str(corpus)
     real_step = training.step.train_step
     calls = {"n": 0}
 

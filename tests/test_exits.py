@@ -7,12 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
-from conftest import REPO, run_env, run_train, tiny_config
+from conftest import REPO, run_env, tiny_config
 from errors import UserError
 from training.exits import exit_on_error
 from training.signals import StopSignal
@@ -28,9 +27,20 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-# Each script with a wrong argument: (script, arguments with {tmp} for a scratch folder, the line's text).
-# Cases that need the absence of a GPU (the script then stops at once) are left out on a GPU machine.
+# Each script (and train.py) with a wrong argument: (script, arguments with {tmp} for a scratch folder, the
+# text of the line). Cases that need the absence of a GPU (the script then stops at once) are left out on a
+# GPU machine.
+TRAIN = ["model=tiny", "data=shakespeare_char", "data.cache_dir={tmp}/cache", "hydra.run.dir={tmp}/run",
+         "hydra.sweep.dir={tmp}/sweep", "trainer.max_steps=2"]
 WALK = [
+    ("train.py", ["attention=naive,sdpa", *TRAIN], "Ambiguous value for argument 'attention=naive,sdpa'"),
+    ("train.py", ["-cd", "{tmp}/missing", *TRAIN], "Additional config directory '{tmp}/missing' not found"),
+    ("train.py", ["-m", "trainer.grad_accum=1,0", *TRAIN], "job 1 of the sweep (trainer.grad_accum=0): "
+     "trainer.grad_accum=0 must be a positive number; no job was run"),
+    ("train.py", ["experiment=compare_backends", *TRAIN, "trainer.grad_accum=0"], "trainer.grad_accum=0 must be a "
+     "positive number; no job was run"),
+    ("train.py", [*TRAIN, "model.n_embd=1099511627776", "model.n_head=4"], "out of CPU memory (an allocation of"),
+    ("prepare_data.py", ["data.path={tmp}/missing.txt"], "data.path: {tmp}/missing.txt does not exist"),
     ("bench_attention.py", ["--B", "-1", "--device", "cpu"], "every size must be a positive integer"),
     ("bench_attention.py", ["--from-json", "{tmp}/missing.json"], "--from-json {tmp}/missing.json: no such file"),
     ("bench_context_parallel.py", ["--paths", "sideways", "trainer.device=cpu"], "--paths=sideways: choose plain, ring"),
@@ -67,18 +77,19 @@ print(json.dumps(results))
 
 
 def test_every_script_is_walked_with_a_wrong_argument():
-    """A new script must be added to WALK (or to the Hydra-app cases below)."""
-    walked = {script for script, _, _ in WALK} | {"prepare_data.py"}
-    missing = set(SCRIPTS) - walked - ({"bench_cross_entropy.py", "profile_flash.py"} if not NO_GPU else set())
+    """A new script must be added to WALK."""
+    gpu_only = {"bench_cross_entropy.py", "profile_flash.py"} if not NO_GPU else set()
+    missing = set(SCRIPTS) - {script for script, _, _ in WALK} - gpu_only
     assert not missing, f"scripts with no bad-argument case: {sorted(missing)}"
 
 
 @pytest.fixture(scope="module")
 def walked(tmp_path_factory):
-    """Every WALK case run in one Python process (runpy, as `python scripts/x.py` runs it): (status, stderr)."""
+    """Every WALK case run in one Python process (runpy, as `python <script>` runs it): (status, stderr)."""
     tmp = tmp_path_factory.mktemp("walk")
     (tmp / "a-file").write_text("")
-    cases = [[str(REPO / "scripts" / script), [a.format(tmp=tmp) for a in args]] for script, args, _ in WALK]
+    cases = [[str(REPO / (script if script == "train.py" else f"scripts/{script}")), [a.format(tmp=tmp) for a in args]]
+             for script, args, _ in WALK]
     proc = subprocess.run([sys.executable, "-c", WALKER, json.dumps(cases)], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -87,35 +98,18 @@ def walked(tmp_path_factory):
 
 @pytest.mark.parametrize("case", range(len(WALK)), ids=[f"{s}-{'-'.join(a)[:24]}" for s, a, _ in WALK])
 def test_a_script_with_a_wrong_argument_ends_in_one_line(walked, case):
+    """Hydra's own errors were several lines with status 1; scripts ended in tracebacks (bench_attention.py
+    --B -1, --from-json <missing>, compare_runs.py --out <a file>, ...); in `-m trainer.grad_accum=1,0`
+    job 0 trained to the end before the bad value was refused; CPU out of memory was a traceback."""
     tmp, results = walked
     code, stderr = results[case]
     assert code == 2, stderr
     assert WALK[case][2].format(tmp=tmp) in one_error_line(stderr)
 
 
-HYDRA_APPS = [  # train.py and prepare_data.py: Hydra's own errors, sweeps, memory
-    pytest.param("train.py", ["attention=naive,sdpa"], "Ambiguous value for argument 'attention=naive,sdpa'", id="sweep-without-m"),
-    pytest.param("train.py", ["-cd", "{tmp}/missing"], "Additional config directory '{tmp}/missing' not found", id="missing-config-dir"),
-    pytest.param("train.py", ["-m", "trainer.grad_accum=1,0"], "job 1 of the sweep (trainer.grad_accum=0): trainer.grad_accum=0 "
-                 "must be a positive number; no job was run", id="sweep-with-a-bad-value"),
-    pytest.param("train.py", ["model.n_embd=1099511627776", "model.n_head=4"], "out of CPU memory (an allocation of", id="cpu-out-of-memory"),
-    pytest.param("scripts/prepare_data.py", ["data.path={tmp}/missing.txt"], "data.path: {tmp}/missing.txt does not exist", id="prepare-missing-corpus"),
-]
-
-
-@pytest.mark.parametrize("app,args,message", HYDRA_APPS)
-def test_hydra_apps_end_in_one_line(tmp_path, app, args, message):
-    """Hydra's own errors were several lines with status 1; in `-m trainer.grad_accum=1,0` job 0 trained
-    to the end before the bad value was refused."""
-    args = [a.format(tmp=tmp_path) for a in args]
-    flags = args[:2] if args[0].startswith("-") else []
-    cmd = [sys.executable, app, *flags, "model=tiny", "data=shakespeare_char", f"data.cache_dir={tmp_path / 'cache'}",
-           f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.max_steps=2",
-           *args[len(flags):]]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert message.format(tmp=tmp_path) in one_error_line(proc.stderr)
-    assert not (tmp_path / "sweep").exists() and not (tmp_path / "run" / "checkpoints").exists()
+def test_no_job_of_a_refused_sweep_runs(walked):
+    tmp, _ = walked
+    assert not (tmp / "sweep").exists() and not (tmp / "run" / "checkpoints").exists()
 
 
 def exits(body, capsys, **kwargs):
@@ -257,12 +251,3 @@ def test_compare_runs_names_a_damaged_file(tmp_path, file, content, message):
     spec.loader.exec_module(module)
     with pytest.raises(UserError, match=re.escape(f"{tmp_path / file}") + ".*" + re.escape(message.split(" ", 1)[1])):
         module.main([str(tmp_path)])
-
-
-def test_a_wrong_value_after_a_correct_one_in_a_sweep_fails_before_any_job(tmp_path):
-    """Checked above through train.py; here every job of an experiment's own sweep (hydra.sweeper.params)."""
-    proc = run_train(["experiment=compare_backends", "model=tiny", "trainer.grad_accum=0",
-                      f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
-    assert proc.returncode == 2 and not (tmp_path / "sweep").exists()
-    assert re.match(r"error: job 0 of the sweep \(attention=\w+\): trainer.grad_accum=0 must be a positive number",
-                    one_error_line(proc.stderr))

@@ -70,7 +70,7 @@ def test_sigterm_during_a_long_evaluation_stops_it_and_saves(tmp_path, data_cach
     assert max(r["step"] for r in records) == 5 and not any("val_loss" in r for r in records)  # no half evaluation
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2])
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2], ids=["SIGUSR1", "SIGUSR2"])
 def test_sigusr1_and_sigusr2_save_and_exit_like_sigterm(tmp_path, data_cache, monkeypatch, capsys, signum):
     """Schedulers such as SLURM send SIGUSR1 before pre-empting: the run died at once, nothing saved."""
     real_step = training.step.train_step
@@ -90,7 +90,7 @@ def test_sigusr1_and_sigusr2_save_and_exit_like_sigterm(tmp_path, data_cache, mo
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003.pt"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_signal_while_tokenizing_removes_the_partial_cache_and_ends_in_one_line(tmp_path, monkeypatch, capsys, signum):
     """SIGTERM or SIGHUP while tokenizing once killed the process with no message and left the .tmp file."""
     from data.config import DataConfig
@@ -98,8 +98,10 @@ def test_a_signal_while_tokenizing_removes_the_partial_cache_and_ends_in_one_lin
     from data.tokenizers import CharTokenizer
 
     real_encode = CharTokenizer.encode_batch
+    being_written = []
 
     def encode_then_signal(self, texts, num_threads=1):
+        being_written.extend(p.name for p in tmp_path.rglob(".*.tmp"))
         os.kill(os.getpid(), signum)
         return real_encode(self, texts, num_threads)
 
@@ -110,7 +112,7 @@ def test_a_signal_while_tokenizing_removes_the_partial_cache_and_ends_in_one_lin
     assert capsys.readouterr().err.strip().splitlines() == [
         f"{signal.Signals(signum).name}: interrupted outside the training steps; checkpoints written so far are kept"]
     (folder,) = tmp_path.iterdir()
-    assert [p.name for p in folder.iterdir()] == [".lock"]  # no .train.bin.tmp
+    assert being_written == [".train.bin.tmp"] and [p.name for p in folder.iterdir()] == [".lock"]
 
 
 def test_sigterm_during_the_final_sample_ends_in_one_line(tmp_path, data_cache, monkeypatch, capsys):
