@@ -62,7 +62,8 @@ class BatchLoader:
         self.batches_drawn = 0
 
     def state_dict(self) -> dict:
-        return {"batches_drawn": self.batches_drawn}
+        """The position (batches drawn) and the ranks it was drawn for (another number reads other windows)."""
+        return {"batches_drawn": self.batches_drawn, "ranks": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.batches_drawn = int(state["batches_drawn"])

@@ -64,7 +64,7 @@ DAMAGES = [  # (what is changed, the value, the first problem named)
     pytest.param("optimizer/state/0/exp_avg", lambda t: t[:1], "its optimizer's exp_avg of parameter 0 is", id="optimizer-state-of-another-shape"),
     pytest.param("optimizer/param_groups", lambda g: g[:1], "its optimizer has groups of", id="optimizer-group-missing"),
     pytest.param("rng/cpu", torch.zeros(3, dtype=torch.uint8), "its cpu RNG state is (3,) torch.uint8, not the 5056 bytes", id="three-byte-rng"),
-    pytest.param("loader/batches_drawn", -1, "its loader position (batches_drawn) is -1, not a count", id="negative-loader-position"),
+    pytest.param("loader/batches_drawn", -1, "its loader position (batches_drawn) is -1 for 1 ranks, not a count", id="negative-loader-position"),
     pytest.param("scaler", {"scale": "big"}, "its grad scaler's scale is 'big', not a finite number", id="scaler-of-text"),
 ]
 RESUME_ONLY = {"nan-optimizer-state", "optimizer-state-of-another-shape", "optimizer-group-missing", "three-byte-rng",

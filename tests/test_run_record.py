@@ -12,7 +12,7 @@ from data.folders import FolderLock
 from errors import UserError
 from training import loop
 from training.changes import FREE, KINDS, MEANING, ORDER, SHAPE
-from training.checkpoint import list_checkpoints, load_checkpoint
+from training.checkpoint import list_checkpoints, load_checkpoint, validate_checkpoint
 from training.config import TrainConfig
 from training.run_folder import RUN_FILES, RUN_FOLDERS, check_run_folder
 
@@ -166,3 +166,14 @@ def test_a_resumed_optimizer_takes_the_runs_hyperparameters(copied_run, data_cac
     assert groups[0]["weight_decay"] == 0.3 and groups[1]["weight_decay"] == 0.0
     assert all(tuple(g["betas"]) == (0.8, 0.9) and g["eps"] == 1e-6 for g in groups)
     assert torch.is_tensor(load_checkpoint(list_checkpoints(copied_run)[-1])["rng"]["cpu"])
+
+
+def test_a_resume_on_another_number_of_ranks_says_the_data_order_changes(two_step_run, capsys):
+    """Ranks read disjoint slices of one global batch: on another number of them the windows differ."""
+    from training.checkpoint import check_changes
+
+    path = list_checkpoints(two_step_run)[-1]
+    state = load_checkpoint(path)
+    corpus = {"corpus": state["corpus"]}
+    check_changes(path, state, state["config"], validate_checkpoint(path, state), corpus, True, data_ranks=2)
+    assert capsys.readouterr().out.strip() == "data order changes: data-parallel ranks 1 → 2"

@@ -29,22 +29,25 @@ def hangup_fails_the_test():
     signal.signal(signal.SIGHUP, previous)
 
 
-def test_sighup_saves_and_exits_129_like_sigterm(tmp_path, data_cache, monkeypatch, capsys, hangup_fails_the_test):
-    """A dropped SSH session sends SIGHUP: the run saves the step it is in and exits 128 + 1."""
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2], ids=["SIGHUP", "SIGUSR1", "SIGUSR2"])
+def test_sighup_sigusr1_and_sigusr2_save_and_exit_like_sigterm(tmp_path, data_cache, monkeypatch, capsys,
+                                                              hangup_fails_the_test, signum):
+    """A dropped SSH session sends SIGHUP, schedulers such as SLURM SIGUSR1 before pre-empting (the run
+    once died at once, nothing saved): the run saves the step it is in and exits 128 + the signal."""
     real_step = training.step.train_step
     calls = {"n": 0}
 
-    def step_then_hangup(*args, **kwargs):
+    def step_then_signal(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), signum)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(training.run, "train_step", step_then_hangup)
+    monkeypatch.setattr(training.run, "train_step", step_then_signal)
     with pytest.raises(SystemExit) as exited, exit_on_error():
         loop.train(tiny_config(data_cache, max_steps=20, ckpt_interval=100), tmp_path)
-    assert exited.value.code == 128 + signal.SIGHUP
-    assert "SIGHUP: stopped after step 3" in capsys.readouterr().err
+    assert exited.value.code == 128 + signum
+    assert f"{signal.Signals(signum).name}: stopped after step 3" in capsys.readouterr().err
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003.pt"]
 
 
@@ -68,26 +71,6 @@ def test_sigterm_during_a_long_evaluation_stops_it_and_saves(tmp_path, data_cach
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005.pt"]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 5 and not any("val_loss" in r for r in records)  # no half evaluation
-
-
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGUSR2], ids=["SIGUSR1", "SIGUSR2"])
-def test_sigusr1_and_sigusr2_save_and_exit_like_sigterm(tmp_path, data_cache, monkeypatch, capsys, signum):
-    """Schedulers such as SLURM send SIGUSR1 before pre-empting: the run died at once, nothing saved."""
-    real_step = training.step.train_step
-    calls = {"n": 0}
-
-    def step_then_signal(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signum)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(training.run, "train_step", step_then_signal)
-    with pytest.raises(SystemExit) as exited, exit_on_error():
-        loop.train(tiny_config(data_cache, max_steps=20, ckpt_interval=100), tmp_path)
-    assert exited.value.code == 128 + signum
-    assert f"{signal.Signals(signum).name}: stopped after step 3" in capsys.readouterr().err
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003.pt"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

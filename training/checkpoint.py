@@ -411,9 +411,9 @@ def _check_training_state(state: dict, optimizer) -> None:
     for key, value in state["scaler"].items():
         if not (_is(value, float) and math.isfinite(value)):
             raise Problem(f"its grad scaler's {key} is {value!r}, not a finite number")
-    drawn = state["loader"].get("batches_drawn")
-    if not (_is(drawn, int) and drawn >= 0):
-        raise Problem(f"its loader position (batches_drawn) is {drawn!r}, not a count")
+    drawn, ranks = state["loader"].get("batches_drawn"), state["loader"].get("ranks", 1)
+    if not (_is(drawn, int) and drawn >= 0 and _is(ranks, int) and ranks >= 1):
+        raise Problem(f"its loader position (batches_drawn) is {drawn!r} for {ranks!r} ranks, not a count")
     rng = state["rng"]
     sizes = {"cpu": torch.get_rng_state().numel()}
     if torch.cuda.is_available():
@@ -564,7 +564,7 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
     validate_checkpoint(path, state)
     if resume != "auto":
         check_newer(path, state["step"], run_dir, ranks.is_main)
-    changes = check_changes(path, state, config, model.cfg, lineage, ranks.is_main)
+    changes = check_changes(path, state, config, model.cfg, lineage, ranks.is_main, loader.world_size)
     check_lineage(path, state, lineage, ranks.is_main, data_changed=any(k.startswith("data.") for k, _, _ in changes))
     check_layout(path, state, ranks)
     validate_checkpoint(path, state, model, optimizer)
@@ -585,14 +585,16 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
 
 
 def check_changes(path: Path, state: dict, config: dict, model_cfg: ModelConfig, lineage: dict,
-                  is_main: bool) -> List[Tuple[str, object, object]]:
+                  is_main: bool, data_ranks: int = 1) -> List[Tuple[str, object, object]]:
     """Compare the checkpoint's config with this run's (training/changes.py): a change of shape is refused; of
-    meaning refused unless trainer.resume_changes=allow, then said; of data order said in one line. Returns
-    the changes of meaning and order."""
+    meaning refused unless trainer.resume_changes=allow, then said; of data order (with the number of
+    data-parallel ranks, ``data_ranks`` now) said in one line. Returns the changes of meaning and order."""
     saved, now = _comparable(state["config"], saved_vocab_size(state)), _comparable(config, model_cfg.vocab_size)
     if "corpus" in state and state["corpus"]["digest"] == lineage["corpus"]["digest"]:
         now["data"]["path"] = saved.get("data", {}).get("path")  # the same text, wherever it lies now
     changes = compare(saved, now)
+    if state["loader"].get("ranks", data_ranks) != data_ranks:  # the global batch is split over them
+        changes[ORDER].append(("data-parallel ranks", state["loader"]["ranks"], data_ranks))
     if changes[SHAPE]:
         key, theirs, mine = changes[SHAPE][0]
         raise UserError(f"checkpoint {path} was made with {key}={theirs} but this run has {key}={mine}; resume with "
