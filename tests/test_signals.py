@@ -99,7 +99,8 @@ def test_a_signal_while_tokenizing_removes_the_partial_cache_and_ends_in_one_lin
 
 
 def test_sigterm_during_the_final_sample_ends_in_one_line(tmp_path, data_cache, monkeypatch, capsys):
-    """It once ended the run silently, with no sample.txt and no word."""
+    """It once ended the run silently, with no sample.txt and no word: now it says that the run is
+    finished and how to write the sample."""
     real_generate = GPT.generate
 
     def generate_then_sigterm(self, *args, **kwargs):
@@ -111,7 +112,8 @@ def test_sigterm_during_the_final_sample_ends_in_one_line(tmp_path, data_cache, 
         loop.train(tiny_config(data_cache, max_steps=4, sample_tokens=20), tmp_path)
     assert exited.value.code == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "SIGTERM: interrupted outside the training steps; checkpoints written so far are kept")
+        f"SIGTERM: stopped while sampling; the run is finished and saved in {tmp_path / 'checkpoints' / 'step_0000004.pt'} "
+        f"(write a sample with python scripts/sample.py {tmp_path})")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000004.pt"]
 
 

@@ -20,7 +20,7 @@ from training.optim import lr_at, set_lr
 from training.precision import resolve_device
 from training.run import Run, setup_run
 from training.run_folder import claim_run_folder, write_record
-from training.signals import StopRequest
+from training.signals import StopRequest, StopSignal
 from training.step import evaluate, generate_sample
 
 
@@ -168,7 +168,14 @@ def write_sample(run: Run) -> str:
                   f"python scripts/sample.py {run.run_dir}")
         return ""
     generating = run.ranks.is_main or run.ranks.sharded
-    sample = generate_sample(run.model, run.tokenizer, t.sample_tokens if generating else 0, run.device, run.dtype, t.seed)
+    try:
+        sample = generate_sample(run.model, run.tokenizer, t.sample_tokens if generating else 0, run.device, run.dtype,
+                                 t.seed)
+    except (KeyboardInterrupt, StopSignal) as err:  # the run is done: say so, and how to sample later
+        signum = getattr(err, "signum", signal.SIGINT)
+        raise Interrupted(signum, f"{signal.Signals(signum).name}: stopped while sampling; the run is finished and "
+                                  f"saved in {newest_checkpoint(run.run_dir)} (write a sample with python "
+                                  f"scripts/sample.py {run.run_dir})") from err
     if not (sample and run.ranks.is_main):
         return ""
     (run.run_dir / "sample.txt").write_text(sample)
