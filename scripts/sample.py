@@ -60,7 +60,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--tokens={args.tokens} is more than {MAX_TOKENS:,}; generate longer text in several calls, "
                         "each continuing the last with --prompt")
     check_finite("--temperature", args.temperature)
-    check_positive("--temperature", args.temperature, allow_zero=True)
+    if not 0 <= args.seed < 2**64:
+        raise UserError(f"--seed={args.seed} must be in [0, 2**64)")
 
 
 def checkpoint_tokenizer(state: dict):

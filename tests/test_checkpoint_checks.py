@@ -112,3 +112,21 @@ def sample_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_sampling_in_chunks_for_the_progress_bar_gives_the_tokens_of_one_call(trained, monkeypatch):
+    """scripts/sample.py generates PROGRESS_CHUNK tokens at a time (a progress bar on a terminal): the same
+    tokens as one call."""
+    from types import SimpleNamespace
+
+    sample = sample_script()
+    monkeypatch.setattr(sample, "PROGRESS_CHUNK", 4)
+    run_dir, state = trained
+    path = list_checkpoints(run_dir)[-1]
+    model = sample.load_model(path, state, torch.device("cpu"))
+    args = SimpleNamespace(tokens=11, temperature=0.8, top_k=20, seed=3)
+    idx = torch.zeros((2, 1), dtype=torch.long)
+    chunked = sample.generate(model, idx, args, 65, torch.device("cpu"), torch.float32)
+    whole = model.generate(idx, args.tokens, temperature=0.8, top_k=20, vocab_limit=65,
+                           generator=torch.Generator().manual_seed(3))
+    assert chunked.shape == (2, args.tokens + 1) and torch.equal(chunked, whole)

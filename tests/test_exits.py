@@ -52,6 +52,7 @@ WALK = [
     ("plot_runs.py", ["--out", "{tmp}/a-file"], "--out={tmp}/a-file: {tmp}/a-file is a file, not a folder"),
     ("sample.py", ["{tmp}/missing"], "{tmp}/missing holds no checkpoint"),
     ("sample.py", ["{tmp}/missing", "--tokens", "1000000"], "--tokens=1000000 is more than 100,000"),
+    ("sample.py", ["{tmp}/missing", "--seed", "-1"], "--seed=-1 must be in [0, 2**64)"),
 ] + ([
     ("bench_cross_entropy.py", [], "needs a CUDA GPU"),
     ("profile_flash.py", ["--out", "{tmp}/out"], "needs a CUDA GPU"),
