@@ -14,6 +14,13 @@ class UserError(Exception):
     """A wrong option, input or environment, with a message that says what to do."""
 
 
+def first_line(err: BaseException, width: int = 300) -> str:
+    """The first non-blank line of ``err``'s message, cut to ``width`` characters; its type's name when
+    the message is empty (``str(err).splitlines()[0]`` fails on an empty message)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0][:width] if lines else type(err).__name__
+
+
 def check_choice(option: str, value, choices: Iterable[str]) -> None:
     """``option=value`` must be one of ``choices``."""
     choices = tuple(choices)

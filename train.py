@@ -8,8 +8,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from training.cli import add_overrides, check_overrides, config_from_hydra, exit_on_user_error, machine_defaults
+from training.cli import add_overrides, check_overrides, config_from_hydra, machine_defaults
 from training.config import register_configs
+from training.exits import exit_on_error
 from training.loop import train
 
 register_configs()
@@ -17,11 +18,12 @@ register_configs()
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
+    with exit_on_error():  # in a job: a failed job of a sweep stops the sweep
         train(*config_from_hydra(cfg))
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])
-    sys.argv[1:] = add_overrides(sys.argv[1:], machine_defaults(sys.argv[1:]))
-    main()
+    with exit_on_error():  # Hydra's own errors (composing, -cd, ...) and signals before the job
+        check_overrides(sys.argv[1:])
+        sys.argv[1:] = add_overrides(sys.argv[1:], machine_defaults(sys.argv[1:]))
+        main()

@@ -6,6 +6,7 @@ it ends (SIGKILL, power loss), so a lock is never stale: the file may stay, the 
 token cache uses it (data/prepare.py) and so does the run folder (training/run_folder.py); data/ is
 the lowest layer both may import.
 """
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -32,6 +33,33 @@ def check_folder_path(path: Path, option: str, value) -> None:
         if part.exists() and not part.is_dir():
             raise UserError(f"{option}={value}: {part} is a file, not a folder; remove it or point {option} "
                             "at a folder")
+
+
+def check_file_paths(folder: Path, names, option: str, value) -> None:
+    """UserError when one of ``names`` (files a process writes in ``folder``) is a folder: writing it
+    would fail with IsADirectoryError halfway through."""
+    for name in names:
+        path = Path(folder) / name
+        if path.is_dir():
+            raise UserError(f"{path} is a folder, but it is where a file goes; remove it or point {option} at another "
+                            f"folder than {value}")
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether a disk or quota that is full caused ``err`` (anywhere in its chain)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Remove the temporary files (``.*.tmp``) a killed process left in ``folder``, which the caller holds
+    the lock of (so no other process is writing them)."""
+    for path in Path(folder).glob(".*.tmp"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
 
 
 class FolderLock:

@@ -48,8 +48,11 @@ def damage(manifest) -> str:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     tmp = folder / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, folder / "manifest.json")
+    try:
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, folder / "manifest.json")
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already once renamed
 
 
 def file_sha256(path: Path) -> str:

@@ -28,13 +28,15 @@ import numpy as np
 from tqdm import tqdm
 
 from data.config import DataConfig, validate
-from data.folders import FolderLock, holder_text, lock_holder, make_folder
+from data.folders import (FolderLock, check_file_paths, holder_text, lock_holder, make_folder, out_of_space,
+                          remove_temporaries)
 from data.manifest import FORMAT, bin_checksum, read_manifest, source_records, stale_reason, write_manifest
 from data.sources import is_glob, load_hf_dataset, local_files, read_text_documents
 from data.tokenizers import CharTokenizer, GPT2Tokenizer, Tokenizer
 from errors import UserError
 
 SPLITS = ("train", "val")
+CACHE_FILES = ("train.bin", "val.bin", "manifest.json", ".lock")  # what a cache folder holds (and temporaries)
 CHUNK_CHARS = 2**20  # long texts are encoded in pieces of about this many characters
 ENCODE_BATCH = 64  # pieces per tiktoken call
 PROGRESS_MIN_CHARS = 2**24  # smaller corpora tokenize in a few seconds: no progress bar
@@ -76,6 +78,7 @@ def prepare(cfg: DataConfig) -> PreparedData:
     validate(cfg)
     spec = source_spec(cfg)
     folder = cache_folder(cfg)
+    check_file_paths(folder, CACHE_FILES, "data.cache_dir", cfg.cache_dir)
     files = local_files(cfg)
     manifest = read_manifest(folder)
     reason = stale_reason(manifest, spec, folder, files)
@@ -145,7 +148,13 @@ def corpus_identity(manifest: dict) -> dict:
 
 
 def build(cfg: DataConfig, spec: dict, folder: Path, files: Optional[List[Path]]) -> dict:
-    """Tokenize the source into ``folder`` (which exists): both bins, then the manifest. Returns the manifest."""
+    """Tokenize the source into ``folder`` (which exists, and whose lock the caller holds): both bins,
+    then the manifest. Returns the manifest.
+
+    The bins are written under temporary names, removed on every way out (an error, a full disk, a
+    signal: training/signals.py turns SIGTERM and the like into an exception here); a temporary file
+    a killed process left is removed first."""
+    remove_temporaries(folder)
     (folder / "manifest.json").unlink(missing_ok=True)
     if cfg.source == "text":
         tokenizer, streams, documents = tokenize_text(cfg, files)
@@ -155,14 +164,7 @@ def build(cfg: DataConfig, spec: dict, folder: Path, files: Optional[List[Path]]
     if files is not None:
         source["files"] = source_records(files)
     dtype = token_dtype(tokenizer.vocab_size)
-    counts = {}
-    for split in SPLITS:
-        counts[split] = write_bin(folder / f".{split}.bin.tmp", streams[split], dtype)
-        if counts[split] == 0:
-            raise UserError(f"{describe(cfg)} gives no {split} tokens: the corpus is too small for "
-                            f"data.val_fraction={cfg.val_fraction}; give more text or change data.val_fraction")
-    for split in SPLITS:
-        os.replace(folder / f".{split}.bin.tmp", folder / f"{split}.bin")
+    counts = write_bins(cfg, folder, streams, dtype)
     manifest = {
         "format": FORMAT, "spec": spec, "val_fraction": cfg.val_fraction,
         "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
@@ -173,6 +175,30 @@ def build(cfg: DataConfig, spec: dict, folder: Path, files: Optional[List[Path]]
         manifest["chars"] = tokenizer.chars
     write_manifest(folder, manifest)
     return manifest
+
+
+def write_bins(cfg: DataConfig, folder: Path, streams: dict, dtype: np.dtype) -> dict:
+    """Write each split's tokens to ``folder`` (train.bin, val.bin) through temporary files that are removed
+    whatever stops the writing; a full disk is one line. Returns {split: token count}."""
+    temporary = {split: folder / f".{split}.bin.tmp" for split in SPLITS}
+    try:
+        counts = {}
+        for split in SPLITS:
+            counts[split] = write_bin(temporary[split], streams[split], dtype)
+            if counts[split] == 0:
+                raise UserError(f"{describe(cfg)} gives no {split} tokens: the corpus is too small for "
+                                f"data.val_fraction={cfg.val_fraction}; give more text or change data.val_fraction")
+        for split in SPLITS:
+            os.replace(temporary[split], folder / f"{split}.bin")
+        return counts
+    except BaseException as err:
+        for path in temporary.values():
+            path.unlink(missing_ok=True)
+        if out_of_space(err):
+            raise UserError(f"no space left on {folder} while tokenizing {describe(cfg)}: the partial cache was removed; "
+                            "free some space or point data.cache_dir at a disk with room, then start the same command "
+                            "again") from err
+        raise
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -252,8 +278,8 @@ def write_bin(path: Path, arrays: Iterable[Union[List[int], np.ndarray]], dtype:
 def tokenize_hf(cfg: DataConfig, files: Optional[List[Path]]):
     """(tokenizer, {split: token arrays}, {split: documents}, source record) for a Hugging Face dataset.
 
-    Tokenization runs in ``datasets.map`` with data.num_proc processes; empty rows are dropped and
-    every document ends with the end-of-text token (gpt2).
+    Tokenization runs in ``datasets.map`` with data.num_proc processes; rows without text are dropped
+    (and counted, on stdout) and every document ends with the end-of-text token (gpt2).
     """
     ds, source = load_hf_dataset(cfg, files)
     column = cfg.text_column
@@ -262,6 +288,9 @@ def tokenize_hf(cfg: DataConfig, files: Optional[List[Path]]):
     n = len(tokenized)
     if n == 0:
         raise UserError(f"data.path={cfg.path} has no text in column {column!r}; point data.path at a non-empty dataset")
+    if n < len(ds):
+        print(f"data: skipped {len(ds) - n:,} of {len(ds):,} rows of data.path={cfg.path} with no text in column "
+              f"{column!r} (missing, empty or only whitespace)", flush=True)
     n_val = val_documents(n, cfg.val_fraction)
     parts = {"train": tokenized.select(range(n - n_val)), "val": tokenized.select(range(n - n_val, n))}
     streams = {split: dataset_token_arrays(part) for split, part in parts.items()}
@@ -271,21 +300,27 @@ def tokenize_hf(cfg: DataConfig, files: Optional[List[Path]]):
 def dataset_characters(ds, column: str, num_proc: int) -> List[str]:
     """The distinct characters of each batch of rows (one string per batch)."""
     def chars(batch):
-        return {"chars": ["".join(set().union(*map(set, filter(None, batch[column]))))]}
+        return {"chars": ["".join(set().union(*map(set, filter(has_text, batch[column]))))]}
 
     return ds.map(chars, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
                   desc="collect characters")["chars"]
 
 
+def has_text(text: Optional[str]) -> bool:
+    """Whether a row's text is a document: not missing, not empty, not only whitespace (a text file of
+    only whitespace is refused the same way, data/sources.py)."""
+    return bool(text and text.strip())
+
+
 def tokenize_dataset(ds, column: str, tokenizer: Tokenizer, num_proc: int):
-    """A dataset with one "ids" row (token ids, end-of-text last for gpt2) per non-empty document."""
+    """A dataset with one "ids" row (token ids, end-of-text last for gpt2) per document that ``has_text``."""
     import datasets
 
     eot = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value(token_dtype(tokenizer.vocab_size).name))})
 
     def encode(batch):
-        return {"ids": [ids + eot for ids in tokenizer.encode_batch([t for t in batch[column] if t])]}
+        return {"ids": [ids + eot for ids in tokenizer.encode_batch([t for t in batch[column] if has_text(t)])]}
 
     return ds.map(encode, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
                   features=features, desc="tokenize")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from data.config import DataConfig
-from errors import UserError
+from errors import UserError, first_line
 
 EMBEDDED = Path(__file__).resolve().parent / "tinyshakespeare" / "input.txt"
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -82,6 +82,9 @@ def load_hf_dataset(cfg: DataConfig, files: Optional[Sequence[Path]]):
     except ImportError as err:
         raise UserError("data.source=hf needs the datasets package: `pip install datasets`") from err
     if files is not None:
+        if all(f.stat().st_size == 0 for f in files):
+            raise UserError(f"data.path: {cfg.path} {'is empty' if len(files) == 1 else 'holds only empty files'}; "
+                            "point data.path at a non-empty corpus")
         ds = _load(datasets, cfg, builder_for(files), data_files=[str(f) for f in files], split="train")
         record = {}
     else:
@@ -104,7 +107,7 @@ def _load(datasets, cfg: DataConfig, *args, **kwargs):
     try:
         return datasets.load_dataset(*args, **kwargs)
     except ConnectionError as err:
-        raise UserError(f"data.path={cfg.path}: the Hugging Face Hub is unreachable ({str(err).splitlines()[0][:160]}); "
+        raise UserError(f"data.path={cfg.path}: the Hugging Face Hub is unreachable ({first_line(err, 160)}); "
                         "with no network, point data.path at local .txt/.jsonl/.parquet files, or set "
                         "HF_DATASETS_OFFLINE=1 to use a copy already in the Hugging Face cache") from err
     except datasets.exceptions.DatasetNotFoundError as err:
@@ -112,7 +115,7 @@ def _load(datasets, cfg: DataConfig, *args, **kwargs):
                         "Hub; check the name (owner/name) or the path") from err
     except Exception as err:  # a bad data.hf_config or data.split, an unreadable file: datasets says which
         raise UserError(f"data.path={cfg.path} (data.hf_config={cfg.hf_config}, data.split={cfg.split}) could not "
-                        f"be loaded: {type(err).__name__}: {str(err).splitlines()[0][:300]}") from err
+                        f"be loaded: {type(err).__name__}: {first_line(err)}") from err
 
 
 def builder_for(files: Sequence[Path]) -> str:

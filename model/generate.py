@@ -22,7 +22,7 @@ Sampling (``Sampler``) never syncs with the host: a draw from probabilities p is
 with E ~ Exp(1) independent per token id (the exponential race: the same law as ``torch.multinomial``).
 """
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -134,8 +134,10 @@ def resolve_step(step: str, device: torch.device) -> str:
 
 
 @torch.no_grad()
-def generate_cached(model, idx: torch.Tensor, max_new_tokens: int, sampler: Sampler, step: str = "auto") -> torch.Tensor:
-    """``GPT.generate`` with a KV cache: idx (B, T0) -> (B, T0 + max_new_tokens), max_new_tokens >= 1."""
+def generate_cached(model, idx: torch.Tensor, max_new_tokens: int, sampler: Sampler, step: str = "auto",
+                    on_token: Optional[Callable[[int], object]] = None) -> torch.Tensor:
+    """``GPT.generate`` with a KV cache: idx (B, T0) -> (B, T0 + max_new_tokens), max_new_tokens >= 1.
+    ``on_token(1)`` is called after each token is queued (a progress bar's update; nothing waits for the GPU)."""
     mode = resolve_step(step, idx.device)
     B, T0 = idx.shape
     block = model.cfg.block_size
@@ -150,4 +152,6 @@ def generate_cached(model, idx: torch.Tensor, max_new_tokens: int, sampler: Samp
             seq[:, t + 1] = sampler(logits[:, -1])[:, 0]
         else:  # the cache holds positions 0..t-1 and the token at t is fed at cache row t
             decode()
+        if on_token is not None:
+            on_token(1)
     return seq

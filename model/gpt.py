@@ -8,7 +8,7 @@ apart). ``generate`` keeps a KV cache: the same forward, given the cache, prefil
 backend and then decodes one token a step against it (model/kv_cache.py, model/generate.py).
 """
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -239,6 +239,7 @@ class GPT(nn.Module):
         generator: Optional[torch.Generator] = None,
         use_cache: bool = True,
         step: str = "auto",
+        on_token: Optional[Callable[[int], object]] = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to idx: (B, T0) -> (B, T0 + max_new_tokens).
 
@@ -248,12 +249,15 @@ class GPT(nn.Module):
         above the tokenizer's vocabulary. ``use_cache``: prefill once, then one token a step against a
         KV cache (model/generate.py; greedy output equals that of ``use_cache=False``, which runs
         the whole context again for every token); ``step``: how a cached step runs, one of
-        ``generate.STEPS`` (auto: one CUDA graph on a GPU outside torch.distributed, else eager).
+        ``generate.STEPS`` (auto: one CUDA graph on a GPU outside torch.distributed, else eager);
+        ``on_token(1)`` after each new token (a progress bar).
         """
         sampler = Sampler(temperature, top_k, vocab_limit, generator)
         if use_cache and max_new_tokens > 0:
-            return generate_cached(self, idx, max_new_tokens, sampler, step)
+            return generate_cached(self, idx, max_new_tokens, sampler, step, on_token)
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.cfg.block_size:])
             idx = torch.cat([idx, sampler(logits[:, -1])], dim=1)
+            if on_token is not None:
+                on_token(1)
         return idx

@@ -53,6 +53,7 @@ from model.attention import BACKENDS, build_attention, hybrid, tiled, unavailabl
 from model.config import AttentionConfig  # noqa: E402
 from scripts.bench_common import (ANCHORS, SDPA_KERNELS, causal_flops, command_line, environment, fail,  # noqa: E402
                                   first_line, forced_sdpa, median_ms, relative_error, tflops)
+from training.exits import exit_on_error  # noqa: E402
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
 SWEEP_TOKENS = 32768
@@ -425,15 +426,31 @@ def shapes_from(args):
     if args.preset == "seed001":
         return SEED001
     try:
-        return [(args.B, args.H, int(t), args.D) for t in args.T.split(",")]
+        shapes = [(args.B, args.H, int(t), args.D) for t in args.T.split(",")]
     except ValueError:
         fail(f"--T {args.T!r} must be comma-separated integers, e.g. --T 1024,2048")
+    if min(min(shape) for shape in shapes) <= 0:
+        fail(f"--B {args.B} --H {args.H} --T {args.T} --D {args.D}: every size must be a positive integer")
+    return shapes
+
+
+def load_results(path: str) -> dict:
+    """An earlier run's results.json ({"rows", "meta"}); one line when it is missing or not one."""
+    if not Path(path).is_file():
+        fail(f"--from-json {path}: no such file; give the results.json an earlier run with --out wrote")
+    try:
+        saved = json.loads(Path(path).read_text())
+    except ValueError as err:
+        fail(f"--from-json {path} is not valid JSON ({first_line(err)})")
+    if not (isinstance(saved, dict) and isinstance(saved.get("rows"), list) and isinstance(saved.get("meta"), dict)):
+        fail(f"--from-json {path} is not a results.json of this script (no rows and meta)")
+    return saved
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
+        saved = load_results(args.from_json)
         out = Path(args.out or Path(args.from_json).parent)
         write_all(saved["rows"], saved["meta"], out)
         print(summary(saved["rows"], saved["meta"]))
@@ -452,7 +469,7 @@ def main(argv=None) -> None:
     if args.vram_budget_gb is not None and device.type != "cuda":
         fail("--vram-budget-gb caps GPU memory and needs a CUDA GPU (this run is on CPU)")
     shapes = shapes_from(args)
-    if args.Hkv and any(H % args.Hkv for _, H, _, _ in shapes):
+    if args.Hkv is not None and (args.Hkv <= 0 or any(H % args.Hkv for _, H, _, _ in shapes)):
         fail(f"--Hkv {args.Hkv} must divide the number of query heads")
     apply_vram_budget(device, args.vram_budget_gb)
     dtype = DTYPES[args.dtype]
@@ -498,4 +515,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped; the rows measured so far are in --out"):
+        main()

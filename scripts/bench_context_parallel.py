@@ -43,7 +43,8 @@ from errors import UserError  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention, ring_attention_of  # noqa: E402
 from model.config import AttentionConfig, padded_vocab  # noqa: E402
-from training.cli import compose_config, fail  # noqa: E402
+from training.cli import compose_config  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 from training.config import OptimConfig  # noqa: E402
 from training.fit import free_memory  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
@@ -227,7 +228,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_error(stopped="stopped"):
         main()
-    except UserError as err:
-        fail(str(err))

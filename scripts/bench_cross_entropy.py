@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import command_line, environment, median_ms, require_cuda  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 CASES = [(4096, 50304, torch.bfloat16), (12288, 50304, torch.bfloat16), (4096, 50304, torch.float16)]
@@ -80,4 +81,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
                                   forced_sdpa, graph_median_ms, median_ms, parse_shapes, relative_error, require_cuda,
                                   tflops)
+from training.exits import exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -567,4 +568,5 @@ def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str,
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

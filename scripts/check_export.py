@@ -22,10 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from errors import UserError, import_optional  # noqa: E402
+from errors import import_optional  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from scripts.sample import load_model  # noqa: E402
-from training.cli import fail  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 from training.precision import resolve_device  # noqa: E402
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -109,7 +109,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_error(stopped="stopped"):
         main()
-    except UserError as err:
-        fail(str(err))

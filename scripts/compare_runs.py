@@ -21,7 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from training.cli import fail  # noqa: E402
+from data.folders import make_folder  # noqa: E402
+from errors import UserError, first_line  # noqa: E402
+from training.exits import exit_on_error, fail  # noqa: E402
 from training.loggers import read_records  # noqa: E402
 
 COLUMNS = ("run", "backend", "model", "tokens_per_s", "mfu", "peak_vram_mb", "train_loss", "val_loss", "wall_s", "steps")
@@ -58,7 +60,7 @@ def load_run(folder: Path, name: str) -> dict:
               "(a run killed while writing it)", file=sys.stderr)
     train = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("val_loss") is not None]
-    cfg = OmegaConf.load(folder / "config.yaml") if (folder / "config.yaml").is_file() else OmegaConf.create()
+    cfg = read_config(folder / "config.yaml")
     steady = train[1:] or train
 
     def median(key):
@@ -67,7 +69,7 @@ def load_run(folder: Path, name: str) -> dict:
 
     peaks = [r["peak_vram_mb"] for r in train if r.get("peak_vram_mb") is not None]
     asked = OmegaConf.select(cfg, "attention.name", default="?")
-    ran = json.loads((folder / "run.json").read_text())["attention"] if (folder / "run.json").is_file() else asked
+    ran = run_info(folder).get("attention", asked)
     return {
         "run": name,
         "backend": asked if ran == asked else f"{asked} (ran {ran})",
@@ -87,10 +89,37 @@ def load_run(folder: Path, name: str) -> dict:
 
 def environment(folder: Path) -> str:
     """Device, dtype and versions from run.json (written by the training loop), or empty."""
-    if not (folder / "run.json").is_file():
-        return ""
-    info = json.loads((folder / "run.json").read_text())
+    info = run_info(folder)
     return ", ".join(f"{k} {info[k]}" for k in ("device", "dtype", "torch", "triton") if info.get(k))
+
+
+def run_info(folder: Path) -> dict:
+    """run.json of a run folder ({} when there is none); UserError naming it when it is not a JSON object."""
+    path = folder / "run.json"
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({first_line(err)}); restore it or remove it (the table then "
+                        "lacks its device and versions)") from err
+    if not isinstance(info, dict):
+        raise UserError(f"{path} holds a JSON {type(info).__name__}, not the object a run writes; restore or remove it")
+    return info
+
+
+def read_config(path: Path):
+    """A run's config.yaml (empty when there is none); UserError naming it when it is not a YAML mapping."""
+    if not path.is_file():
+        return OmegaConf.create()
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax, or a list at the top
+        raise UserError(f"{path} is not a run's config ({first_line(err)}); restore it or remove it (the table then "
+                        "shows ? for its backend and model)") from err
+    if not isinstance(cfg, type(OmegaConf.create())):
+        raise UserError(f"{path} holds a YAML list, not a run's config; restore it or remove it")
+    return cfg
 
 
 def fmt(key, value) -> str:
@@ -152,12 +181,13 @@ def main(argv=None) -> None:
     p.add_argument("paths", nargs="+", help="run folders or folders of runs (a multirun folder)")
     p.add_argument("--out", help="folder for table.md, table.csv and the PNG plots")
     args = p.parse_args(argv)
+    if args.out:
+        make_folder(Path(args.out), "--out", args.out)  # a file there fails now, before the work
     rows = [load_run(folder, name) for folder, name in find_runs(args.paths)]
     table = markdown(rows)
     print(table)
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         (out / "table.md").write_text(table + "\n")
         with open(out / "table.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -168,4 +198,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

@@ -11,6 +11,7 @@ forget gate work at any length. The table also holds each run's final validation
 tokens/s from its metrics.jsonl (scripts/compare_runs.py). Writes length.md and length.json to --out.
 """
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,8 +29,8 @@ from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from scripts.compare_runs import find_runs, fmt, load_run  # noqa: E402
-from training.checkpoint import latest_checkpoint, load_into_plain_model, saved_vocab_size  # noqa: E402
-from training.cli import fail  # noqa: E402
+from training.checkpoint import latest_checkpoint, load_into_plain_model, validate_checkpoint  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
 
 SEED = 4242  # the validation windows' seed, the same for every run and length
@@ -71,11 +72,10 @@ def evaluate_run(folder: Path, args, device, dtype) -> dict:
     path, state = latest_checkpoint(folder)
     if state is None:
         raise UserError(f"{folder} holds no checkpoint to evaluate; train it with checkpoints (trainer.ckpt_interval)")
+    trained = validate_checkpoint(path, state)
     config = state["config"]
-    trained = ModelConfig(**config["model"])
-    data = prepare(DataConfig(**config["data"]))
-    attention = AttentionConfig(name=config["attention"]["name"], window=config["attention"].get("window"))
-    backend, _ = build_attention(attention, device)
+    data = prepare(DataConfig(**config.get("data", {})))
+    backend, _ = build_attention(AttentionConfig(**config.get("attention", {})), device)
     results = {}
     for factor in args.factors:
         length = factor * trained.block_size
@@ -83,10 +83,10 @@ def evaluate_run(folder: Path, args, device, dtype) -> dict:
         if reason:
             results[factor] = reason
             continue
-        model_cfg = ModelConfig(**dict(config["model"], block_size=max(length, trained.block_size), dropout=0.0,
-                                       attention_dropout=None))
-        model_cfg.vocab_size = saved_vocab_size(state)
+        model_cfg = dataclasses.replace(trained, block_size=max(length, trained.block_size), dropout=0.0,
+                                        attention_dropout=None)
         model = GPT(model_cfg, backend).to(device).eval()
+        validate_checkpoint(path, state, model)
         load_into_plain_model(path, state, model)
         results[factor] = val_loss(model, data, length, args, device, dtype)
     return {"checkpoint": str(path), "step": state["step"], "gate": trained.gate, "pos": trained.pos,
@@ -128,7 +128,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_error(stopped="stopped"):
         main()
-    except UserError as err:
-        fail(str(err))

@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from errors import UserError  # noqa: E402
+
 from model.hf import export_family, generation_config, hf_config, to_hf  # noqa: E402
-from training.cli import fail  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 from training.hf_folder import check_out, require_export_packages, write_hf_folder  # noqa: E402
-from training.trained_model import (checkpoint_model, checkpoint_model_config, checkpoint_tokenizer,  # noqa: E402
-                                    choose_checkpoint)
+from training.checkpoint import validate_checkpoint  # noqa: E402
+from training.trained_model import checkpoint_model, checkpoint_tokenizer, choose_checkpoint  # noqa: E402
 
 DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"), "fp16": (torch.float16, "float16")}
 
@@ -45,7 +45,7 @@ def main(argv=None) -> Path:
     check_out(out)
     require_export_packages()
     path, state = choose_checkpoint(Path(args.checkpoint))
-    cfg = checkpoint_model_config(state)
+    cfg = validate_checkpoint(path, state)
     family = export_family(cfg, state["config"]["attention"].get("window"))
     tokenizer = checkpoint_tokenizer(state)
     weights = checkpoint_model(path, state, torch.device("cpu")).state_dict()
@@ -60,7 +60,5 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_error(stopped="stopped"):
         main()
-    except UserError as err:
-        fail(str(err))

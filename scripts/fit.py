@@ -27,7 +27,8 @@ from data.tokenizers import GPT2Tokenizer  # noqa: E402
 from errors import UserError  # noqa: E402
 from model.attention import BACKENDS  # noqa: E402
 from model.config import padded_vocab  # noqa: E402
-from training.cli import compose_config, fail  # noqa: E402
+from training.cli import compose_config  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 from training.fit import largest_batch, longest_sequence  # noqa: E402
 from training.precision import apply_vram_budget, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 
@@ -81,7 +82,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with exit_on_error(stopped="stopped; the rows printed so far are complete"):
         main()
-    except UserError as err:
-        fail(str(err))

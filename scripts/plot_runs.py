@@ -11,6 +11,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +21,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from data.folders import make_folder  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
+
 RUNS = ROOT / "docs" / "runs"
 H100 = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0"
 
@@ -176,11 +182,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for the PNG files")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    make_folder(args.out, "--out", args.out)
     for plot in PLOTS:
         plot(args.out)
     print(f"wrote {len(PLOTS)} plots to {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

@@ -15,21 +15,23 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from data.prepare import prepare_from_config, summary  # noqa: E402
-from training.cli import add_overrides, check_overrides, exit_on_user_error  # noqa: E402
+from training.cli import add_overrides, check_overrides  # noqa: E402
 from training.config import register_configs  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 
 register_configs()
 
 
 @hydra.main(config_path=str(ROOT / "configs"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error():
+    with exit_on_error():  # in the job: an error escaping it would add Hydra's "Error executing job" line
         print(summary(prepare_from_config(cfg.data)))
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])
-    quiet = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-             "~hydra.callbacks.run_folder"]  # no run folder: nothing is written to the current one
-    sys.argv[1:] = add_overrides(sys.argv[1:], quiet)
-    main()
+    with exit_on_error():
+        check_overrides(sys.argv[1:])
+        quiet = ["hydra.run.dir=.", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+                 "~hydra.callbacks.run_folder"]  # no run folder: nothing is written to the current one
+        sys.argv[1:] = add_overrides(sys.argv[1:], quiet)
+        main()

@@ -34,6 +34,7 @@ from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
 from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 SHAPES = [*ANCHORS[:2], (64, 12, 512, 64)]  # (B, H, T, D): the two D=64 anchors and a shorter one
@@ -242,4 +243,5 @@ def write(report: dict, out: Path) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

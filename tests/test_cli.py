@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from conftest import QUICK, REPO, run_env, run_train
-from training.cli import add_overrides, check_overrides, exit_on_user_error, machine_defaults
+from training.cli import add_overrides, check_overrides, machine_defaults
+from training.exits import exit_on_error
 from training.config import TrainConfig
 
 SECTIONS = sorted(TrainConfig.__dataclass_fields__)
@@ -202,7 +203,7 @@ def test_machine_defaults_apply_where_a_config_is_composed(capsys):
 
 def test_out_of_memory_outside_the_steps_gets_the_same_advice(capsys):
     """Evaluation, sampling or a trial batch running out of memory: the advice of training/errors.py."""
-    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+    with pytest.raises(SystemExit) as exited, exit_on_error():
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.splitlines()) == 1

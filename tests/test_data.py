@@ -334,7 +334,7 @@ def test_loader_is_reproducible_resumable_and_shifted(tmp_path):
     x, y, doc_ids = a.next_batch()
     assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64 and doc_ids is None
     assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal((x[:, -1] + 1) % 1000, y[:, -1])
-    assert a.state_dict() == {"batches_drawn": 4}
+    assert a.state_dict() == {"batches_drawn": 4, "ranks": 2}
     resumed = make()
     resumed.load_state_dict({"batches_drawn": 3})
     assert torch.equal(resumed.next_batch()[0], x)

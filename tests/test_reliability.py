@@ -23,7 +23,7 @@ import training.run
 import training.step
 from training import loop
 from training.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from training.cli import exit_on_user_error
+from training.exits import exit_on_error
 from training.errors import OutOfMemory, TrainingStopped
 
 VOLATILE = ("tokens_per_s", "elapsed_s")
@@ -238,7 +238,7 @@ def test_out_of_memory_saves_the_last_finished_step_and_advises(tmp_path, data_c
 
     monkeypatch.setattr(training.run, "train_step", step_then_oom)  # what setup_run binds into the run's step
     cfg = tiny_config(data_cache, max_steps=20, ckpt_interval=100)
-    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+    with pytest.raises(SystemExit) as exited, exit_on_error():
         loop.train(cfg, tmp_path)
     assert exited.value.code == 2
     err = capsys.readouterr().err
@@ -335,10 +335,10 @@ def test_ctrl_c_before_training_starts_exits_in_one_line(tmp_path, data_cache, m
         raise KeyboardInterrupt
 
     monkeypatch.setattr(training.run, "prepare", interrupted)
-    with pytest.raises(SystemExit) as exited, exit_on_user_error():
+    with pytest.raises(SystemExit) as exited, exit_on_error():
         loop.train(tiny_config(data_cache), tmp_path)
     assert exited.value.code == 128 + signal.SIGINT
-    assert capsys.readouterr().err.strip().splitlines() == ["interrupted outside the training steps; checkpoints written so far are kept"]
+    assert capsys.readouterr().err.strip().splitlines() == ["SIGINT: interrupted outside the training steps; checkpoints written so far are kept"]
 
 
 def test_fp16_overflow_is_skipped_by_the_grad_scaler_and_not_counted_as_bad():

@@ -108,9 +108,12 @@ def test_profile_steps_writes_where_the_step_time_goes(tmp_path, data_cache):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [7, 14]  # the run itself goes on
 
 
-def test_profiling_is_skipped_when_the_run_ends_before_the_warm_up(tmp_path, data_cache):
+def test_profiling_is_skipped_when_the_run_ends_before_the_warm_up(tmp_path, data_cache, capsys):
+    """Validation refuses it (trainer.profile_steps beyond trainer.max_steps); a resumed run that starts too
+    late to profile says so instead of writing nothing silently."""
     train(tiny_config(data_cache, max_steps=8, profile_steps=3), tmp_path)
     assert not (tmp_path / "profile.md").exists()
+    assert "trainer.profile_steps=3: nothing is profiled, the run ends at step 8 before step 11" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name,kind", [

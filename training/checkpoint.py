@@ -16,18 +16,24 @@ adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoin
 FSDP with any number of ranks.
 
 A run saves through its ``Checkpointer``, which writes nothing unless the weights and optimizer
-state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``),
-which refuses a checkpoint of another model shape or layout or of another tokenizer (a checkpoint
-carries its tokenizer and the identity of its corpus; a changed corpus is resumed, and said so).
+state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``).
+
+Nothing of a checkpoint is used before ``validate_checkpoint`` has checked it: its fields and their
+types, its config, the names and shapes of its weights against the model, finite values in its
+weights and optimizer state, the sizes of its RNG states. Resuming then compares its config with the
+run's (training/changes.py: what differs in shape is refused, in meaning refused unless
+``trainer.resume_changes=allow``, in data order said), refuses another tokenizer (a checkpoint carries
+its tokenizer and the identity of its corpus) and another layout.
 """
-import errno
+import dataclasses
 import math
 import os
 import re
 import shutil
+import typing
 import warnings
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,18 +41,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from data.tokenizers import describe_tokenizer
+from data.config import DataConfig
+from data.folders import out_of_space
+from data.tokenizers import GPT2Tokenizer, describe_tokenizer
 from errors import UserError
-from model.config import ModelConfig
+from model.config import AttentionConfig, ModelConfig, validate_model
 from training import distributed
+from training.changes import MEANING, ORDER, SHAPE, compare, listed
 from training.errors import NonFiniteState
 from training.optim import plain_state_dict
+from training.signals import temporary
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"
 BEST = "best.pt"
-# Model options a checkpoint must share with the run that resumes it.
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "gate", "mlp")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -91,8 +99,9 @@ def _write_atomically(run_dir: Path, name: str, state: dict, step: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     final, tmp = folder / name, folder / f".{name}.tmp"
     check_space(run_dir, step)
-    _write_synced(tmp, state, step)
-    os.replace(tmp, final)
+    with temporary(tmp):  # a second signal (an exit at once) removes it
+        _write_synced(tmp, state, step)
+        os.replace(tmp, final)
     _fsync_dir(folder)
     return final
 
@@ -110,15 +119,16 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
-    distributed.barrier()
-    if is_main:
-        _write_synced(tmp / META, meta, step)
-        remove_checkpoint(final)
-        os.replace(tmp, final)
-        _fsync_dir(folder)
-        prune(run_dir, step, keep)
+    with temporary(tmp):
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+        distributed.barrier()
+        if is_main:
+            _write_synced(tmp / META, meta, step)
+            remove_checkpoint(final)
+            os.replace(tmp, final)
+            _fsync_dir(folder)
+            prune(run_dir, step, keep)
     distributed.barrier()
     return final
 
@@ -132,7 +142,9 @@ def load_sharded_checkpoint(path: Path, model, optimizer) -> None:
 
 
 def load_into_plain_model(path: Path, state: dict, model) -> None:
-    """The weights of any checkpoint, whole or sharded, into an unsharded model in one process."""
+    """The weights of any checkpoint, whole or sharded, into an unsharded model in one process (a whole
+    checkpoint's weights checked with ``validate_checkpoint(path, state, model)`` first; a sharded one's
+    are checked once loaded)."""
     if not state["sharded"]:
         model.load_state_dict(state["model"])
         return
@@ -140,6 +152,9 @@ def load_into_plain_model(path: Path, state: dict, model) -> None:
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load({"model": weights}, checkpoint_id=path, no_dist=not dist.is_initialized())  # gathers every rank's shards
+    bad = first_non_finite(weights)
+    if bad:
+        raise UserError(f"checkpoint {path} cannot be used: its weight {bad} holds NaN or infinity")
     model.load_state_dict(weights)
 
 
@@ -189,15 +204,6 @@ def check_space(run_dir: Path, step: int) -> None:
     if free < needed:
         raise UserError(no_space(checkpoint_dir(run_dir), step, f" ({free / 1e6:.1f} MB free, the last one took "
                                                                  f"{needed / 1e6:.1f} MB)"))
-
-
-def out_of_space(err: BaseException) -> bool:
-    """Whether a disk or quota that is full caused ``err`` (anywhere in its chain)."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def no_space(folder: Path, step: int, detail: str = "") -> str:
@@ -253,6 +259,209 @@ def latest_checkpoint(run_dir: Path) -> Tuple[Optional[Path], Optional[dict]]:
     for err in damaged:
         warnings.warn(f"{err}; no older checkpoint loads, starting from step 0", stacklevel=2)
     return None, None
+
+
+class Problem(Exception):
+    """What is wrong with a checkpoint (``validate_checkpoint`` names the file)."""
+
+
+def validate_checkpoint(path: Path, state: dict, model=None, optimizer=None) -> ModelConfig:
+    """Check a loaded checkpoint before anything of it is used; UserError naming ``path`` and the first problem.
+
+    Without ``model``: its fields and their types, and its config (sections of the schema's keys and
+    types, a model that can be built): what building the model needs. Returns the checkpoint's
+    ModelConfig, its vocab_size filled in. With ``model`` (built from that config, or the run's that
+    resumes it): also its weights, the names and shapes of ``model``'s, every value finite (a sharded
+    checkpoint's weights are checked once loaded). With ``optimizer`` (a resume): also the optimizer
+    state (its groups, and its shapes against ``optimizer``'s parameters; finite values), the grad
+    scaler, the loader position and the RNG states (their sizes).
+
+    Sampling and exporting call it twice, before and after building the model:
+    ``model = GPT(validate_checkpoint(path, state), ...)``, then ``validate_checkpoint(path, state, model)``.
+    """
+    try:
+        model_cfg = _checked_fields(state)
+        if model is not None and not state.get("sharded"):
+            _check_weights(state["model"], model.state_dict())
+        if optimizer is not None:
+            _check_training_state(state, optimizer)
+    except Problem as problem:
+        raise UserError(f"checkpoint {path} cannot be used: {problem} (it is damaged, or was not written by this "
+                        "version of nanoflash)") from None
+    return model_cfg
+
+
+FIELDS = {"step": int, "scaler": dict, "loader": dict, "rng": dict, "config": dict}  # every checkpoint
+WHOLE_FIELDS = {"model": dict, "optimizer": dict}  # besides, every checkpoint that is not sharded
+OPTIONAL_FIELDS = {"vocab_size": int, "wandb_id": (str, type(None)), "best_val_loss": (float, type(None)),
+                   "val_loss": float, "tokenizer": dict, "corpus": dict}
+
+
+def _checked_fields(state: dict) -> ModelConfig:
+    required = {**FIELDS, **({} if state.get("sharded") else WHOLE_FIELDS)}
+    for name, kind in {**required, **OPTIONAL_FIELDS}.items():
+        if name not in state:
+            if name in required:
+                raise Problem(f"it has no {name!r}")
+            continue
+        if not _is(state[name], kind):
+            raise Problem(f"its {name!r} is of type {type(state[name]).__name__}, not {_kind_name(kind)}")
+    if state["step"] < 0:
+        raise Problem(f"its step is {state['step']}")
+    if ("tokenizer" in state) != ("corpus" in state):
+        raise Problem("it records its tokenizer without its corpus or the other way round")
+    if "tokenizer" in state:
+        _check_lineage_fields(state["tokenizer"], state["corpus"])
+    config = state["config"]
+    for name, schema in (("model", ModelConfig), ("attention", AttentionConfig), ("data", DataConfig)):
+        if name not in config:
+            if name == "model":
+                raise Problem("its config has no model section")
+            continue
+        _check_section(config[name], schema, f"config.{name}")
+    model_cfg = ModelConfig(**config["model"])
+    model_cfg.vocab_size = _vocab_size(state, model_cfg)
+    tokens = _tokenizer_size(state.get("tokenizer"))
+    if tokens > model_cfg.vocab_size:
+        raise Problem(f"its tokenizer has {tokens} tokens, more than its model's vocab_size {model_cfg.vocab_size}")
+    try:
+        validate_model(model_cfg)
+    except UserError as err:
+        raise Problem(f"its config makes no model: {err}") from None
+    return model_cfg
+
+
+def _is(value, kind) -> bool:
+    """isinstance, where a bool is not an int and an int is a float too."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, kinds) or (float in kinds and isinstance(value, int))
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _check_section(values, schema, where: str) -> None:
+    """``values`` (a dict) holds only keys of the dataclass ``schema``, each of its type."""
+    if not isinstance(values, dict):
+        raise Problem(f"its {where} is of type {type(values).__name__}, not dict")
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in values.items():
+        if key not in fields:
+            raise Problem(f"its {where} has the key {key!r}, which this version does not know")
+        hints = typing.get_type_hints(schema)[key]
+        kinds = typing.get_args(hints) or (hints,)  # Optional[int] -> (int, NoneType)
+        if hints is not typing.Any and not _is(value, kinds):
+            raise Problem(f"its {where}.{key} is {value!r}, not {_kind_name(kinds)}")
+
+
+def _vocab_size(state: dict, model_cfg: ModelConfig) -> int:
+    """The vocabulary the weights have: the checkpoint's vocab_size, or its embedding's rows."""
+    if "vocab_size" in state:
+        vocab = state["vocab_size"]
+    elif not state.get("sharded") and torch.is_tensor(state["model"].get("wte.weight")):
+        vocab = state["model"]["wte.weight"].shape[0]
+    else:
+        raise Problem("it records no vocab_size")
+    if vocab <= 0 or (model_cfg.vocab_size is not None and model_cfg.vocab_size != vocab):
+        raise Problem(f"its vocab_size {vocab} disagrees with its config's model.vocab_size={model_cfg.vocab_size}")
+    return vocab
+
+
+def _tokenizer_size(identity: Optional[dict]) -> int:
+    """How many token ids a checkpoint's tokenizer gives (0 when it records none)."""
+    if identity is None:
+        return 0
+    return len(identity["chars"]) if identity["tokenizer"] == "char" else GPT2Tokenizer.vocab_size
+
+
+def _check_lineage_fields(tokenizer: dict, corpus: dict) -> None:
+    name = tokenizer.get("tokenizer")
+    if name not in ("gpt2", "char") or (name == "char" and not isinstance(tokenizer.get("chars"), str)):
+        raise Problem(f"its tokenizer record {str(tokenizer)[:80]} names no tokenizer of ours")
+    if not all(isinstance(corpus.get(key), str) for key in ("digest", "described")):
+        raise Problem("its corpus record lacks its digest or description")
+
+
+def _check_weights(saved: dict, expected: Dict[str, torch.Tensor]) -> None:
+    """``saved`` has exactly the names and shapes of ``expected`` (a model's state_dict), finite values."""
+    missing = [name for name in expected if name not in saved]
+    if missing:
+        raise Problem(f"its weights lack {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    extra = [name for name in saved if name not in expected]
+    if extra:
+        raise Problem(f"its weights have {extra[0]!r}, which the model has not")
+    for name, want in expected.items():
+        have = saved[name]
+        if not torch.is_tensor(have) or have.shape != want.shape or have.is_floating_point() != want.is_floating_point():
+            what = f"a {type(have).__name__}" if not torch.is_tensor(have) else f"{tuple(have.shape)} {have.dtype}"
+            raise Problem(f"its weight {name} is {what} where the model has {tuple(want.shape)} {want.dtype}")
+    bad = first_non_finite(saved)
+    if bad:
+        raise Problem(f"its weight {bad} holds NaN or infinity")
+
+
+def _check_training_state(state: dict, optimizer) -> None:
+    """What only a resume uses: optimizer state, grad scaler, loader position, RNG states."""
+    if not state.get("sharded"):
+        _check_optimizer(state["optimizer"], optimizer)
+    for key, value in state["scaler"].items():
+        if not (_is(value, float) and math.isfinite(value)):
+            raise Problem(f"its grad scaler's {key} is {value!r}, not a finite number")
+    drawn, ranks = state["loader"].get("batches_drawn"), state["loader"].get("ranks", 1)
+    if not (_is(drawn, int) and drawn >= 0 and _is(ranks, int) and ranks >= 1):
+        raise Problem(f"its loader position (batches_drawn) is {drawn!r} for {ranks!r} ranks, not a count")
+    rng = state["rng"]
+    sizes = {"cpu": torch.get_rng_state().numel()}
+    if torch.cuda.is_available():
+        sizes["cuda"] = torch.cuda.get_rng_state().numel()
+    for device, size in sizes.items():
+        value = rng.get(device, None if device == "cpu" else torch.empty(size, dtype=torch.uint8))
+        if not (torch.is_tensor(value) and value.dtype == torch.uint8 and value.shape == (size,)):
+            what = f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else repr(value)[:40]
+            raise Problem(f"its {device} RNG state is {what}, not the {size} bytes of torch's generator")
+
+
+def _check_optimizer(saved: dict, optimizer) -> None:
+    """The optimizer state of a whole checkpoint: groups of ``optimizer``'s sizes, per-parameter tensors
+    of their parameters' shapes (the step a scalar), every value finite."""
+    groups, per_param = saved.get("param_groups"), saved.get("state")
+    if not (isinstance(groups, list) and isinstance(per_param, dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise Problem("its optimizer state is not that of a torch optimizer (param_groups, state)")
+    sizes = [len(g["params"]) for g in groups]
+    live = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live:
+        raise Problem(f"its optimizer has groups of {sizes} parameters where this model's has {live}")
+    params = {index: param for g, live_group in zip(groups, optimizer.param_groups)
+              for index, param in zip(g["params"], live_group["params"])}
+    for index, values in per_param.items():
+        if index not in params or not isinstance(values, dict):
+            raise Problem(f"its optimizer state has an entry {index!r} for no parameter")
+        for name, value in values.items():
+            if not torch.is_tensor(value):
+                continue
+            shape = () if name == "step" else params[index].shape
+            if value.numel() != math.prod(shape) or (name != "step" and value.shape != shape):
+                raise Problem(f"its optimizer's {name} of parameter {index} is {tuple(value.shape)}, not {tuple(shape)}")
+    bad = first_non_finite({f"{name} of parameter {index}": value for index, values in per_param.items()
+                            for name, value in values.items() if torch.is_tensor(value)})
+    if bad:
+        raise Problem(f"its optimizer's {bad} holds NaN or infinity")
+
+
+def first_non_finite(named: Dict[str, torch.Tensor]) -> Optional[str]:
+    """The name of the first floating tensor of ``named`` that holds a NaN or an infinity, or None: one
+    fused max-abs reduction over all of them."""
+    floating = {name: t for name, t in named.items() if t.is_floating_point() and t.numel()}
+    if not floating:
+        return None
+    largest = torch.stack([m.float() for m in torch._foreach_norm(list(floating.values()), ord=float("inf"))])
+    bad = (~largest.isfinite()).nonzero()
+    return list(floating)[bad[0].item()] if len(bad) else None
 
 
 def rng_state(device: torch.device) -> dict:
@@ -333,9 +542,10 @@ class Checkpointer:
 
 
 def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device: torch.device,
-            ranks: distributed.Ranks, lineage: dict) -> Tuple[int, Optional[str], Optional[float]]:
+            ranks: distributed.Ranks, lineage: dict, config: dict) -> Tuple[int, Optional[str], Optional[float]]:
     """Load the checkpoint ``trainer.resume`` names into the run, whose data has ``lineage`` (the
-    tokenizer's and the corpus' identity). Returns (step reached, wandb id, best validation loss so far)."""
+    tokenizer's and the corpus' identity) and whose config is ``config`` (a dict). Returns (step
+    reached, wandb id, best validation loss so far)."""
     if resume == "none":
         best = best_checkpoint(run_dir)
         old = list_checkpoints(run_dir) + ([best] if best.is_file() else []) if ranks.is_main else []
@@ -351,16 +561,22 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
             return 0, None, None
     else:
         path, state = Path(resume), load_checkpoint(Path(resume))
+    validate_checkpoint(path, state)
+    if resume != "auto":
         check_newer(path, state["step"], run_dir, ranks.is_main)
-    check_compatible(path, state, model.cfg)
-    check_lineage(path, state, lineage, ranks.is_main)
+    changes = check_changes(path, state, config, model.cfg, lineage, ranks.is_main, loader.world_size)
+    check_lineage(path, state, lineage, ranks.is_main, data_changed=any(k.startswith("data.") for k, _, _ in changes))
     check_layout(path, state, ranks)
+    validate_checkpoint(path, state, model, optimizer)
     if state["sharded"]:
         load_sharded_checkpoint(path, model, optimizer)
+        if distributed.any_rank(not state_is_finite(model, optimizer), ranks):
+            raise UserError(f"checkpoint {path} cannot be used: its weights or optimizer state hold NaN or infinity")
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    if state["scaler"]:  # empty when saved without loss scaling (bf16, fp32): a fp16 run then starts its own
+        scaler.load_state_dict(state["scaler"])
     loader.load_state_dict(state["loader"])
     restore_rng_state(state["rng"], device)
     if ranks.is_main:
@@ -368,18 +584,43 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
     return state["step"], state.get("wandb_id"), state.get("best_val_loss")
 
 
-def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
-    """A checkpoint resumes only a model of the same shape and vocabulary."""
-    saved = state.get("config", {}).get("model", {})
-    for key in SHAPE_KEYS:
-        mine = getattr(model_cfg, key)
-        theirs = saved.get(key, mine) if key != "vocab_size" else saved_vocab_size(state)
-        if theirs != mine:
-            raise UserError(
-                f"checkpoint {path} was made with model.{key}={theirs} but this run has model.{key}={mine}; "
-                f"resume with the same model and data settings, or start fresh with trainer.resume=none "
-                f"(or another hydra.run.dir)"
-            )
+def check_changes(path: Path, state: dict, config: dict, model_cfg: ModelConfig, lineage: dict,
+                  is_main: bool, data_ranks: int = 1) -> List[Tuple[str, object, object]]:
+    """Compare the checkpoint's config with this run's (training/changes.py): a change of shape is refused; of
+    meaning refused unless trainer.resume_changes=allow, then said; of data order (with the number of
+    data-parallel ranks, ``data_ranks`` now) said in one line. Returns the changes of meaning and order."""
+    saved, now = _comparable(state["config"], saved_vocab_size(state)), _comparable(config, model_cfg.vocab_size)
+    if "corpus" in state and state["corpus"]["digest"] == lineage["corpus"]["digest"]:
+        now["data"]["path"] = saved.get("data", {}).get("path")  # the same text, wherever it lies now
+    changes = compare(saved, now)
+    if state["loader"].get("ranks", data_ranks) != data_ranks:  # the global batch is split over them
+        changes[ORDER].append(("data-parallel ranks", state["loader"]["ranks"], data_ranks))
+    if changes[SHAPE]:
+        key, theirs, mine = changes[SHAPE][0]
+        raise UserError(f"checkpoint {path} was made with {key}={theirs} but this run has {key}={mine}; resume with "
+                        "the same model and data settings, or start fresh with trainer.resume=none (or another "
+                        "hydra.run.dir)")
+    meaning = listed(changes[MEANING])
+    if meaning and config["trainer"]["resume_changes"] != "allow":
+        raise UserError(f"checkpoint {path}: this run changes {meaning}, which changes what the model computes or "
+                        "learns; resume with the checkpoint's settings, add trainer.resume_changes=allow to continue "
+                        "with the change, or start fresh with trainer.resume=none (or another hydra.run.dir)")
+    if is_main and meaning:
+        print(f"resuming with changes of meaning (trainer.resume_changes=allow): {meaning}")
+    if is_main and changes[ORDER]:
+        print(f"data order changes: {listed(changes[ORDER])}")
+    return changes[MEANING] + changes[ORDER]
+
+
+def _comparable(config: dict, vocab_size: int) -> dict:
+    """A copy of a config dict with what compares by effect filled in: the resolved vocabulary, and
+    n_kv_head null as the n_head it means."""
+    config = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    model = config.get("model", {})
+    model["vocab_size"] = vocab_size
+    if model.get("n_kv_head") is None and "n_head" in model:
+        model["n_kv_head"] = model["n_head"]
+    return config
 
 
 def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:
@@ -398,10 +639,12 @@ def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:
               f"{'are' if len(newer) > 1 else 'is'} replaced by this run's checkpoints (removed at its first save)")
 
 
-def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool) -> None:
+def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool, data_changed: bool = False) -> None:
     """A checkpoint resumes only with the tokenizer it was trained with (token ids must keep their
     meaning); on another corpus it resumes, fine-tuning, and says so once (its own checkpoints then
-    carry the new corpus). Checkpoints that carry no tokenizer were made before it was recorded."""
+    carry the new corpus): naming both corpora, or, where a changed data option says it already
+    (``data_changed``: data.val_fraction, ...), nothing more. Checkpoints that carry no tokenizer were
+    made before it was recorded."""
     if "tokenizer" not in state:
         return
     theirs, mine = describe_tokenizer(state["tokenizer"]), describe_tokenizer(lineage["tokenizer"])
@@ -411,9 +654,14 @@ def check_lineage(path: Path, state: dict, lineage: dict, is_main: bool) -> None
                         f"would mean other text. Resume it with the data it was trained on "
                         f"({state['corpus']['described']}), or start fresh with trainer.resume=none (or another "
                         "hydra.run.dir)")
-    if state["corpus"]["digest"] != lineage["corpus"]["digest"] and is_main:
-        print(f"note: checkpoint {path} was trained on {state['corpus']['described']}; this run continues it on "
-              f"{lineage['corpus']['described']} (the same tokenizer)")
+    if state["corpus"]["digest"] == lineage["corpus"]["digest"] or not is_main:
+        return
+    theirs, mine = state["corpus"]["described"], lineage["corpus"]["described"]
+    if theirs != mine:
+        print(f"note: checkpoint {path} was trained on {theirs}; this run continues it on {mine} (the same tokenizer)")
+    elif not data_changed:
+        print(f"note: the text of {mine} changed since checkpoint {path} was trained on it; this run continues it on "
+              "the new text (the same tokenizer)")
 
 
 def check_layout(path: Path, state: dict, ranks: distributed.Ranks) -> None:

@@ -7,28 +7,29 @@ read the command line with Hydra's own argument parser, so every Hydra flag (--c
 for an override.
 """
 import argparse
-import contextlib
 import dataclasses
+import itertools
 import re
-import signal
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from errors import UserError
+from errors import UserError, first_line
 from training import pretrained
 from training.config import TrainConfig, register_configs, validate
-from training.errors import Interrupted, OutOfMemory
+from training.exits import fail
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "configs"
@@ -58,11 +59,6 @@ def group_choices(group: str, dirs: Sequence[Path] = (CONFIG_DIR,)) -> List[str]
     return sorted({p.stem for d in dirs for p in (d / group).glob("*.yaml") if not p.stem.startswith("_")})
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def check_overrides(argv: List[str]) -> None:
     """Reject unknown keys and unknown group choices before Hydra runs, listing what is valid.
 
@@ -77,9 +73,15 @@ def check_overrides(argv: List[str]) -> None:
     overrides = parse_overrides(args.overrides)
     for override in overrides:
         key = override.key_or_group
+        if key == "hydra.output_subdir" and override.value() is not None:
+            fail(f"{override.input_line}: the run writes its record (config.yaml, .hydra/) itself, once it owns its "
+                 "folder; leave hydra.output_subdir out")
         if key.startswith("hydra"):
             continue
         if "." not in key and key in GROUPS:
+            if override.is_add() and args.config_name in (None, "train"):
+                fail(f"{override.input_line}: {key} is in the defaults list of configs/train.yaml already, so it is "
+                     f"chosen, not added; write {override.input_line[1:]}")
             if not override.is_delete():
                 _check_choice(key, override, dirs)
             continue
@@ -106,7 +108,7 @@ def parse_overrides(overrides: List[str]):
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as err:  # Hydra's grammar errors say where the override is malformed
-        fail(f"cannot parse the overrides: {str(err).splitlines()[0]}; quote a value with spaces or brackets, "
+        fail(f"cannot parse the overrides: {first_line(err)}; quote a value with spaces or brackets, "
              "e.g. 'data.path=\"my file.txt\"'")
 
 
@@ -143,7 +145,10 @@ def _check_local_file(overrides, dirs: Sequence[Path]) -> None:
     try:
         values = OmegaConf.to_container(OmegaConf.create(text))
     except Exception as err:  # YAML syntax
-        fail(f"{path} is not valid YAML: {str(err).splitlines()[0]}")
+        fail(f"{path} is not valid YAML: {first_line(err)}")
+    if values is not None and not isinstance(values, dict):
+        fail(f"{path} holds a {type(values).__name__}; it must hold options as keys, e.g. 'trainer:' then "
+             "'  batch_size: 8' on the next line")
     for key, value in _leaves(values or {}):
         if key.split(".")[0] in ("defaults", "hydra"):
             continue
@@ -272,39 +277,73 @@ def model_options_given(overrides: List[str]) -> Set[str]:
     return {key.split(".", 1)[1] for key in keys if key.startswith("model.")}
 
 
-def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path]:
-    """The typed, validated config of this job and its run folder (where the resolved config is saved)."""
+def typed_config(cfg: DictConfig) -> TrainConfig:
+    """The typed, validated config of a composed one (the model's shape taken from model.init_from, where
+    set, against the job's overrides); UserError naming the first problem."""
     try:
         typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         where = f" (at {err.full_key})" if getattr(err, "full_key", None) else ""
-        raise UserError(f"the config does not resolve: {str(err).splitlines()[0]}{where}") from err
+        raise UserError(f"the config does not resolve: {first_line(err)}{where}") from err
     typed.model = pretrained.resolve(typed.model, model_options_given(HydraConfig.get().overrides.task))
     validate(typed)
     for key, value in _leaves(dataclasses.asdict(typed)):
         # An escaped \${...}: saving the config would read it as an interpolation again.
         if isinstance(value, str) and "${" in value:
             raise UserError(f"{key}={value}: a literal '${{' cannot be kept in a config value; remove it")
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(typed), resolve=True))
-    return typed, run_dir
+    return typed
 
 
-@contextlib.contextmanager
-def exit_on_user_error():
-    """Turn a UserError into one line on stderr and exit status 2; out-of-memory gets advice;
-    an interrupted run says where its checkpoint is and exits with 128 + the signal number."""
-    try:
-        yield
-    except UserError as err:
-        fail(str(err))
-    except torch.OutOfMemoryError:
-        fail(str(OutOfMemory()))
-    except Interrupted as stop:
-        print(str(stop), file=sys.stderr)
-        sys.exit(128 + stop.signum)
-    except KeyboardInterrupt:  # Ctrl-C while preparing data or sampling, where no step is in flight
-        print("interrupted outside the training steps; checkpoints written so far are kept", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+def config_from_hydra(cfg: DictConfig) -> Tuple[TrainConfig, Path, Dict[str, str]]:
+    """The typed, validated config of this job, its run folder, and Hydra's record of the job (.hydra/:
+    the composed config, Hydra's own, the overrides), which the run writes once it owns the folder
+    (Hydra's own writing of it is off: hydra.output_subdir=null in configs/train.yaml)."""
+    typed = typed_config(cfg)
+    hydra_cfg = HydraConfig.get()
+    record = {
+        ".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+        ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        ".hydra/overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
+    return typed, Path(hydra_cfg.runtime.output_dir), record
 
+
+def sweep_jobs(config: DictConfig) -> List[List[str]]:
+    """The overrides of every job of a multirun, as Hydra's basic sweeper makes them: the sweeper's
+    params (hydra.sweeper.params) then the command line's, each sweep taking each of its values, in
+    the cartesian product."""
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    choices = {}
+    for override in parser.parse_overrides(params + list(config.hydra.overrides.task)):
+        key = override.get_key_element()
+        values = override.sweep_string_iterator() if override.is_sweep_override() else [override.get_value_element_as_str()]
+        choices[key] = [f"{key}={value}" for value in values]
+    return [list(job) for job in itertools.product(*choices.values())]
+
+
+class SweepCheck(Callback):
+    """Before a multirun's first job: every job's config composed and validated, so that a bad value
+    (``-m trainer.grad_accum=1,0``) fails in one line before any job trains. Other sweepers than
+    Hydra's basic one (optuna, ...) choose their values as they go: nothing to check ahead."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if not str(config.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return
+        loader = GlobalHydra.instance().config_loader()
+        outer = HydraConfig.instance().cfg
+        jobs = sweep_jobs(config)
+        shared = set.intersection(*map(set, jobs))  # the overrides every job has: not worth naming
+        try:
+            for number, overrides in enumerate(jobs):
+                try:
+                    job = loader.load_sweep_config(config, overrides)
+                    HydraConfig.instance().set_config(job)  # for ${hydra:...} in the job's values
+                    with read_write(job), open_dict(job):
+                        del job["hydra"]  # what the job's task gets (hydra/core/utils.py: run_job)
+                    typed_config(job)
+                except (UserError, HydraException, OmegaConfBaseException) as err:
+                    varying = " ".join(o for o in overrides if o not in shared)
+                    fail(f"job {number} of the sweep ({varying}): {err}; no job was run")
+        finally:
+            HydraConfig.instance().cfg = outer

@@ -18,8 +18,10 @@ from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
+from training.profiling import WARMUP_STEPS
 
 SCHEDULES = ("cosine", "wsd", "constant")
+RESUME_CHANGES = ("refuse", "allow")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 LOGGERS = ("default", "wandb")
@@ -55,6 +57,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     keep_best: bool = False  # also write checkpoints/best.pt whenever the validation loss improves (never pruned)
     resume: str = "auto"  # auto | none | <path to a checkpoint file>
+    resume_changes: str = "refuse"  # refuse | allow: resume even where an option that changes the run's meaning differs (training/changes.py)
     seed: int = 1337
     peak_tflops: Optional[float] = None  # override the GPU peak used for MFU
     vram_budget_gb: Optional[float] = None  # cap GPU memory to act like a smaller card
@@ -134,6 +137,35 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"trainer.seed={t.seed} must be below 2**64")
     if t.peak_tflops is not None:
         check_positive("trainer.peak_tflops", t.peak_tflops)
+    check_choice("trainer.resume_changes", t.resume_changes, RESUME_CHANGES)
     check_context_parallel(cfg)
     check_choice("logger", cfg.logger.name, LOGGERS)
     check_choice("logger.mode", cfg.logger.mode, WANDB_MODES)
+    check_combinations(cfg)
+
+
+def check_combinations(cfg: TrainConfig) -> None:
+    """Options that are each valid but cannot work together, or together certainly do not do what was meant."""
+    o, t = cfg.optim, cfg.trainer
+    if o.min_lr > o.lr and o.schedule != "constant":
+        raise UserError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}: the {o.schedule} schedule would climb "
+                        "instead of decay; give a min_lr at most lr (e.g. lr / 10), or optim.schedule=constant")
+    if t.profile_steps and WARMUP_STEPS + 1 > t.max_steps:
+        raise UserError(f"trainer.profile_steps={t.profile_steps} records steps after {WARMUP_STEPS} of warm-up, "
+                        f"but trainer.max_steps={t.max_steps} ends before; raise trainer.max_steps to at least "
+                        f"{WARMUP_STEPS + t.profile_steps} or set trainer.profile_steps=0")
+    if t.vram_budget_gb is not None and t.device == "cpu":
+        raise UserError(f"trainer.vram_budget_gb={t.vram_budget_gb} caps GPU memory, but trainer.device=cpu; remove "
+                        "it, or train on a GPU")
+    window = cfg.attention.window
+    if window is not None and window >= cfg.model.block_size:
+        raise UserError(f"attention.window={window} is not below model.block_size={cfg.model.block_size}: every "
+                        "query sees all its keys anyway; lower attention.window or leave it null")
+    d = cfg.data
+    if d.source == "text":
+        hf_only = {"data.hf_config": (d.hf_config, None), "data.split": (d.split, "train"),
+                   "data.text_column": (d.text_column, "text")}
+        for option, (value, unused) in hf_only.items():
+            if value != unused:
+                raise UserError(f"{option}={value} is read by data.source=hf only, and this run reads text files "
+                                f"(data.source=text); remove it, or use data=hf")

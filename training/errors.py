@@ -3,6 +3,7 @@
 ``TrainingStopped``, ``NonFiniteState`` and ``OutOfMemory`` are UserErrors (one line, exit status 2); ``Interrupted``
 exits with 128 + the signal number (training/cli.py).
 """
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +16,21 @@ OUT_OF_MEMORY_ADVICE = (
     "or hybrid instead of naive, model.activation_checkpointing=true, or a shorter model.block_size "
     "(scripts/fit.py finds what fits)"
 )
+CPU_MEMORY_ADVICE = (
+    "Try a smaller model (model.n_embd, model.n_layer; model=tiny), a smaller trainer.batch_size with a larger "
+    "trainer.grad_accum (same tokens per step), or a shorter model.block_size"
+)
+CPU_ALLOCATION = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def memory_exhausted(err: BaseException) -> Optional[str]:
+    """"GPU" or "CPU" when ``err`` says that memory ran out, else None. PyTorch's CPU allocator raises a
+    plain RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return "GPU"
+    if isinstance(err, MemoryError) or (isinstance(err, RuntimeError) and "can't allocate memory" in str(err)):
+        return "CPU"
+    return None
 
 
 class TrainingStopped(UserError):
@@ -30,21 +46,32 @@ class NonFiniteState(UserError):
 
 
 class OutOfMemory(UserError):
-    """The GPU ran out of memory: at ``step`` of the loop (the step before is saved in ``saved``), or
-    outside the steps (step None: evaluation, sampling, trial batches), keeping the checkpoints written."""
+    """The GPU (or with ``memory="CPU"`` the machine) ran out of memory: at ``step`` of the loop (the step
+    before is saved in ``saved``), or outside the steps (step None: building the model, evaluation,
+    sampling, trial batches), keeping the checkpoints written. ``err`` is the allocator's error."""
 
-    def __init__(self, step: Optional[int] = None, saved: Optional[Path] = None, budget_gb: Optional[float] = None):
+    def __init__(self, step: Optional[int] = None, saved: Optional[Path] = None, budget_gb: Optional[float] = None,
+                 memory: str = "GPU", err: Optional[BaseException] = None):
         where = f" at step {step}" if step is not None else ""
-        peak = ""
-        if torch.cuda.is_available():
-            limit = f" of the trainer.vram_budget_gb={budget_gb:g} GiB budget" if budget_gb else ""
-            peak = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated{limit})"
-        kept = f"; step {step - 1} is saved in {saved}" if saved else "; checkpoints written so far are kept"
-        super().__init__(f"out of GPU memory{where}{peak}{kept}. {OUT_OF_MEMORY_ADVICE}")
+        if memory == "CPU":
+            tried = CPU_ALLOCATION.search(str(err or ""))
+            detail = f" (an allocation of {int(tried.group(1)) / 2**30:,.1f} GiB failed)" if tried else ""
+            advice = CPU_MEMORY_ADVICE
+        else:
+            detail, advice = "", OUT_OF_MEMORY_ADVICE
+            if torch.cuda.is_available():
+                limit = f" of the trainer.vram_budget_gb={budget_gb:g} GiB budget" if budget_gb else ""
+                detail = f" (peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated{limit})"
+        super().__init__(f"out of {memory} memory{where}{detail}{kept_text(step, saved)}. {advice}")
+
+
+def kept_text(step: Optional[int], saved: Optional[Path]) -> str:
+    """What a run that stops at ``step`` keeps: the step before, saved in ``saved``, or the checkpoints so far."""
+    return f"; step {step - 1} is saved in {saved}" if saved else "; checkpoints written so far are kept"
 
 
 class Interrupted(Exception):
-    """SIGINT, SIGTERM or SIGHUP arrived; a checkpoint of the last finished step was saved."""
+    """A stop signal (training/signals.py) arrived in the loop; a checkpoint of the last finished step was saved."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)

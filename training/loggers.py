@@ -29,8 +29,11 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines() if (step := _step_of(line)) is not None and step <= last_step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)  # a kill here leaves the old file, never half of it
+    try:
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)  # a kill here leaves the old file, never half of it
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already once renamed
 
 
 def _step_of(line: str) -> Optional[int]:

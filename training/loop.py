@@ -8,27 +8,29 @@ import contextlib
 import signal
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-import torch
-
+from data.loader import TokenCacheChanged
 from training import distributed
 from training.checkpoint import list_checkpoints, rng_state
 from training.config import TrainConfig
-from training.errors import Interrupted, NonFiniteState, OutOfMemory
+from training.errors import Interrupted, NonFiniteState, OutOfMemory, kept_text, memory_exhausted
 from training.health import LossWatch
 from training.optim import lr_at, set_lr
 from training.precision import resolve_device
 from training.run import Run, setup_run
-from training.run_folder import claim_run_folder
-from training.signals import StopRequest
+from training.run_folder import claim_run_folder, write_record
+from training.signals import StopRequest, StopSignal
 from training.step import evaluate, generate_sample
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> dict:
+def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = None) -> dict:
     """Train the model ``cfg`` describes; write metrics and checkpoints under ``run_dir``.
 
-    Returns a summary: {"step", "loss", "val_loss", "backend", "elapsed_s", "sample"}.
+    The folder is held first (its lock); its record (config.yaml and ``record``: {path in the folder:
+    text}, Hydra's .hydra/ files) is written once the run is set up and its checkpoint accepted, so a
+    refused run changes nothing there. Returns a summary: {"step", "loss", "val_loss", "backend",
+    "elapsed_s", "sample"}.
     """
     t = cfg.trainer
     ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
@@ -40,6 +42,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
             print(f"{run.run_dir} holds a finished run (step {run.start_step} of {t.max_steps}): extend it with "
                   f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
             return summary(run, run.start_step, None, None, 0.0, "")
+        if ranks.is_main:
+            write_record(run.run_dir, cfg, record)
         with contextlib.closing(run.logger):
             loss, val_loss, elapsed = train_loop(run)
         return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
@@ -76,7 +80,7 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
                 record["peak_vram_mb"] = distributed.maximum(record["peak_vram_mb"])
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
-                with run.meter.paused():
+                with run.meter.paused(), saved_if_the_cache_changes(run, step):
                     val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype,
                                         run.shard, stop=lambda: distributed.any_rank(bool(stop.signum), run.ranks))
                 if val_loss is None:  # a signal cut the evaluation short: save now, not after it
@@ -100,24 +104,45 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
 
 
 def take_step(run: Run, step: int):
-    """One optimizer step: (loss, grad norm, good) on the device. Out of memory, the step before is
-    saved (with the loader position and random state it had) and OutOfMemory raised."""
+    """One optimizer step: (loss, grad norm, good) on the device. Out of memory (GPU or CPU), or when the
+    token cache shrank under the run, the step before is saved (with the loader position and random
+    state it had) and the error raised, naming it."""
     loader_before, rng_before = run.train_loader.state_dict(), rng_state(run.device)
     run.profiler.before_step(step)
     try:
         outputs = run.step(run.train_loader)
-    except torch.OutOfMemoryError as err:
+    except (RuntimeError, MemoryError, TokenCacheChanged) as err:  # torch.OutOfMemoryError is a RuntimeError
+        memory = memory_exhausted(err)
+        if memory is None and not isinstance(err, TokenCacheChanged):
+            raise
         run.optimizer.zero_grad(set_to_none=True)
         # A sharded save needs every rank, and the others may be waiting inside the failed step.
         can_save = step - 1 > run.start_step and not run.ranks.sharded
         saved = run.checkpointer.save(step - 1, loader_before, rng_before) if can_save else None
-        raise OutOfMemory(step, saved, run.cfg.trainer.vram_budget_gb) from err
+        if memory:
+            raise OutOfMemory(step, saved, run.cfg.trainer.vram_budget_gb, memory, err) from err
+        raise TokenCacheChanged(f"{err} at step {step}{kept_text(step, saved)}; {RESUME_ADVICE}") from err
     run.meter.tick(run.tokens_per_step)
     run.logger.advance()
     profiled = run.profiler.after_step(step)
     if profiled:
         run.logger.message(profiled)
     return outputs
+
+
+RESUME_ADVICE = "start the same command again to resume (it checks the token cache and rebuilds it)"
+
+
+@contextlib.contextmanager
+def saved_if_the_cache_changes(run: Run, step: int):
+    """Around an evaluation after ``step``: when the token cache shrinks under it, save ``step`` (trained
+    already) and raise TokenCacheChanged naming the checkpoint."""
+    try:
+        yield
+    except TokenCacheChanged as err:
+        saved = None if run.ranks.sharded else run.checkpointer.save(step, run.train_loader.state_dict())
+        kept = f"; step {step} is saved in {saved}" if saved else kept_text(step, None)
+        raise TokenCacheChanged(f"{err} while evaluating after step {step}{kept}; {RESUME_ADVICE}") from err
 
 
 def newest_checkpoint(run_dir: Path):
@@ -143,7 +168,14 @@ def write_sample(run: Run) -> str:
                   f"python scripts/sample.py {run.run_dir}")
         return ""
     generating = run.ranks.is_main or run.ranks.sharded
-    sample = generate_sample(run.model, run.tokenizer, t.sample_tokens if generating else 0, run.device, run.dtype, t.seed)
+    try:
+        sample = generate_sample(run.model, run.tokenizer, t.sample_tokens if generating else 0, run.device, run.dtype,
+                                 t.seed)
+    except (KeyboardInterrupt, StopSignal) as err:  # the run is done: say so, and how to sample later
+        signum = getattr(err, "signum", signal.SIGINT)
+        raise Interrupted(signum, f"{signal.Signals(signum).name}: stopped while sampling; the run is finished and "
+                                  f"saved in {newest_checkpoint(run.run_dir)} (write a sample with python "
+                                  f"scripts/sample.py {run.run_dir})") from err
     if not (sample and run.ranks.is_main):
         return ""
     (run.run_dir / "sample.txt").write_text(sample)

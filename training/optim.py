@@ -28,6 +28,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     )
 
 
+def apply_hyperparameters(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
+    """Set ``cfg``'s betas, eps and weight decay (of the decaying group) on every group: loading a
+    checkpoint's optimizer state brings back the values it was saved with. The learning rate is set
+    every step (``set_lr``)."""
+    for group in optimizer.param_groups:
+        group["betas"], group["eps"] = tuple(cfg.betas), cfg.eps
+    optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay
+
+
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """Learning rate for optimizer step ``step`` (1-based).
 

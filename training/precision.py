@@ -51,9 +51,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def apply_vram_budget(device: torch.device, budget_gb) -> None:
-    """Cap this process' GPU memory at ``budget_gb`` GiB (trainer.vram_budget_gb); no-op without one."""
-    if budget_gb is None or device.type != "cuda":
+    """Cap this process' GPU memory at ``budget_gb`` GiB (trainer.vram_budget_gb); no-op without one.
+    UserError on the CPU, where a budget would be ignored."""
+    if budget_gb is None:
         return
+    if device.type != "cuda":
+        raise UserError(f"trainer.vram_budget_gb={budget_gb:g} caps GPU memory, but this run is on the CPU (no GPU is "
+                        "in use); remove it, or train on a GPU")
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 2**30 / total), index)

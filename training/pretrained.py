@@ -21,8 +21,9 @@ from data.tokenizers import Tokenizer, describe_tokenizer, load_tokenizer
 from errors import UserError, import_optional
 from model import GPT, ModelConfig
 from model.hf import FIELDS, FREE, Family, adopt, fields_from_hf, from_hf
+from training.checkpoint import validate_checkpoint
 from training.hf_folder import is_hf_folder, read_config, read_weights
-from training.trained_model import checkpoint_model, checkpoint_model_config, choose_checkpoint, plain_model
+from training.trained_model import checkpoint_model, choose_checkpoint, plain_model
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # gpt2, openai-community/gpt2
 NO_TOKENIZER = "it carries no tokenizer: its ids are taken as the data tokenizer's"
@@ -60,7 +61,7 @@ def open_source(init_from: str) -> Source:
     except UserError as err:
         raise UserError(f"{where} is neither a Hugging Face model folder (it has no config.json) nor a nanoflash "
                         f"checkpoint: {err}") from err
-    cfg = checkpoint_model_config(state)
+    cfg = validate_checkpoint(found, state)
     fields = {key: getattr(cfg, key) for key, field in FIELDS.items() if field.on_import != FREE}
     return Source(where, found, "nanoflash checkpoint", fields, state.get("tokenizer"), state=state)
 

@@ -54,6 +54,14 @@ class StepProfiler:
         self.enabled = n_steps > 0 and self.first <= max_steps
         self.prof = None
         self.started = 0.0
+        self.note = ""  # what of trainer.profile_steps this run cannot do, said at its start
+        if n_steps and not self.enabled:
+            self.note = (f"trainer.profile_steps={n_steps}: nothing is profiled, the run ends at step {max_steps} before "
+                         f"step {self.first} ({WARMUP_STEPS} steps after it starts at step {start_step}); raise "
+                         "trainer.max_steps to profile")
+        elif n_steps and self.last - self.first + 1 < n_steps:
+            self.note = (f"trainer.profile_steps={n_steps}: only steps {self.first}-{self.last} are profiled, the run "
+                         f"ends at step {max_steps}")
 
     def before_step(self, step: int) -> None:
         if not self.enabled or step != self.first:

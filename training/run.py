@@ -29,7 +29,7 @@ from training.cuda_graph import CapturedStep, use_cuda_graph
 from training.fit import auto_batch_size
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
-from training.optim import build_optimizer
+from training.optim import apply_hyperparameters, build_optimizer
 from training.precision import apply_vram_budget, dtype_name, make_grad_scaler, resolve_dtype
 from training.profiling import StepProfiler
 from training.step import train_step
@@ -65,7 +65,6 @@ class Run:
 def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device) -> Run:
     """Build the run ``cfg`` describes on this rank's ``device``, resumed as ``trainer.resume`` says."""
     t = cfg.trainer
-    run_dir.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(t.dtype, device)
     captured = use_cuda_graph(t.cuda_graph, device, dtype, t.distributed, cfg.data.document_mask)
     apply_vram_budget(device, t.vram_budget_gb)
@@ -84,10 +83,11 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     scaler = make_grad_scaler(device, dtype)
     train_loader, val_loader = make_loaders(data, cfg, batch_size, ranks, device)
     lineage = {"tokenizer": tokenizer.identity, "corpus": corpus_identity(data.manifest)}
-    start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device,
-                                                  ranks, lineage)
-
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device,
+                                                  ranks, lineage, config)
+    apply_hyperparameters(optimizer, cfg.optim)  # a resumed optimizer's groups hold the checkpoint's
+
     finished = start_step >= t.max_steps
     logger = QuietLogger() if finished or not ranks.is_main else MetricsLogger(
         run_dir, cfg.logger, t.max_steps, start_step, t.run_name, config, wandb_id)  # rank 0 reports
@@ -105,6 +105,10 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     if ranks.is_main and not finished:
         write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size, origin)
 
+    profiler = StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps)
+    if profiler.note:
+        logger.message(profiler.note)
+
     step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
     shard = SequenceShard(ranks.context_rank, ranks.context_size)
     step = functools.partial(train_step, step_model, model, optimizer, scaler, t=t, device=device, dtype=dtype,
@@ -119,7 +123,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
                                   logger.wandb_id, lineage, best_val_loss, t.keep_best),
         logger=logger,
         meter=throughput_meter(model, ranks, device, t.peak_tflops),
-        profiler=StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps),
+        profiler=profiler,
     )
 
 

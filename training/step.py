@@ -1,5 +1,5 @@
 """What the loop runs on the model: one optimizer step, an evaluation, a sample of text."""
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -74,13 +74,22 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype, shard: 
     return distributed.mean(total / iters).item()
 
 
+def default_prompt(tokenizer) -> List[int]:
+    """The token ids a sample starts from when no prompt is given: a newline, or where the vocabulary has
+    none (a char corpus of one line) its first token."""
+    try:
+        return tokenizer.encode("\n")
+    except ValueError:  # the char tokenizer knows only its corpus' characters
+        return [0]
+
+
 @torch.no_grad()
 def generate_sample(model: GPT, tokenizer, n_tokens: int, device, dtype, seed: int) -> str:
-    """Text generated from a newline prompt with top-k sampling; empty when n_tokens is 0."""
+    """Text generated from ``default_prompt`` with top-k sampling; empty when n_tokens is 0."""
     if n_tokens == 0:
         return ""
     model.eval()
-    prompt = torch.tensor([tokenizer.encode("\n")], dtype=torch.long, device=device)
+    prompt = torch.tensor([default_prompt(tokenizer)], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with autocast(device, dtype):
         out = model.generate(prompt, n_tokens, temperature=0.8, top_k=200, vocab_limit=tokenizer.vocab_size, generator=gen)

@@ -20,7 +20,7 @@ from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import AttentionConfig
 from training.checkpoint import (NAME, best_checkpoint, latest_checkpoint, load_checkpoint, load_into_plain_model,
-                                 saved_vocab_size)
+                                 validate_checkpoint)
 
 
 def choose_checkpoint(path: Path) -> Tuple[Path, dict]:
@@ -43,11 +43,6 @@ def checkpoint_tokenizer(state: dict) -> Tokenizer:
     return load_tokenizer(prepare(DataConfig(**state["config"]["data"])).manifest)
 
 
-def checkpoint_model_config(state: dict) -> ModelConfig:
-    """The model options a checkpoint was trained with, its vocabulary size filled in."""
-    return dataclasses.replace(ModelConfig(**state["config"]["model"]), vocab_size=saved_vocab_size(state))
-
-
 def plain_model(cfg: ModelConfig, device: torch.device, window: Optional[int] = None) -> GPT:
     """An unsharded GPT of ``cfg`` for inference on ``device``: sdpa attention (with ``window``), no dropout."""
     attend, _ = build_attention(AttentionConfig(name="sdpa", window=window), device)
@@ -56,7 +51,9 @@ def plain_model(cfg: ModelConfig, device: torch.device, window: Optional[int] = 
 
 
 def checkpoint_model(path: Path, state: dict, device: torch.device) -> GPT:
-    """The model of checkpoint ``path`` (whole or sharded) with its weights, for inference on ``device``."""
-    model = plain_model(checkpoint_model_config(state), device, state["config"]["attention"].get("window"))
+    """The model of checkpoint ``path`` (whole or sharded) with its weights, for inference on ``device``;
+    the checkpoint is checked before its config and its weights are used (UserError naming the problem)."""
+    model = plain_model(validate_checkpoint(path, state), device, state["config"]["attention"].get("window"))
+    validate_checkpoint(path, state, model)
     load_into_plain_model(path, state, model)
     return model
