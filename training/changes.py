@@ -34,6 +34,7 @@ KINDS: Dict[str, str] = {
     "model.dropout": MEANING,
     "model.attention_dropout": MEANING,
     "model.gate_bias_init": MEANING,  # the weights the run started from
+    "model.init_from": MEANING,  # the weights the run started from
     "model.activation_checkpointing": FREE,  # the same function, recomputed
     "model.loss_chunk": FREE,
     "attention.name": FREE,  # every backend computes the same attention
