@@ -40,13 +40,16 @@ from errors import UserError
 from model.config import ModelConfig
 from training import distributed
 from training.errors import NonFiniteState
-from training.optim import plain_state_dict
+from training.muon import MuonAdamW
+from training.optim import plain_state_dict, settings_kept
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 META = "meta.pt"
 BEST = "best.pt"
-# Model options a checkpoint must share with the run that resumes it.
-SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "gate", "mlp")
+# Model options a checkpoint must share with the run that resumes it (its weights' shapes, or what
+# they compute). A key a checkpoint lacks predates the option: it was made with the default.
+SHAPE_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size", "bias", "norm", "pos", "gate", "mlp",
+              "qk_norm", "logit_softcap", "tie_embeddings", "value_embeds", "skips")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -128,7 +131,8 @@ def load_sharded_checkpoint(path: Path, model, optimizer) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    with settings_kept(optimizer):
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def load_into_plain_model(path: Path, state: dict, model) -> None:
@@ -353,13 +357,15 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
         path, state = Path(resume), load_checkpoint(Path(resume))
         check_newer(path, state["step"], run_dir, ranks.is_main)
     check_compatible(path, state, model.cfg)
+    check_optimizer(path, state, optimizer)
     check_lineage(path, state, lineage, ranks.is_main)
     check_layout(path, state, ranks)
     if state["sharded"]:
         load_sharded_checkpoint(path, model, optimizer)
     else:
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        with settings_kept(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     loader.load_state_dict(state["loader"])
     restore_rng_state(state["rng"], device)
@@ -373,13 +379,31 @@ def check_compatible(path: Path, state: dict, model_cfg: ModelConfig) -> None:
     saved = state.get("config", {}).get("model", {})
     for key in SHAPE_KEYS:
         mine = getattr(model_cfg, key)
-        theirs = saved.get(key, mine) if key != "vocab_size" else saved_vocab_size(state)
+        theirs = saved.get(key, getattr(ModelConfig, key)) if key != "vocab_size" else saved_vocab_size(state)
         if theirs != mine:
             raise UserError(
                 f"checkpoint {path} was made with model.{key}={theirs} but this run has model.{key}={mine}; "
                 f"resume with the same model and data settings, or start fresh with trainer.resume=none "
                 f"(or another hydra.run.dir)"
             )
+
+
+def check_optimizer(path: Path, state: dict, optimizer) -> None:
+    """A checkpoint resumes only the optimizer it was made with, its parameters grouped alike (the
+    roles whose learning rates are set, optim.head_lr, embed_lr, scalar_lr, decide the groups)."""
+    saved = state.get("config", {}).get("optim", {})
+    theirs, mine = saved.get("name", "adamw"), "muon" if isinstance(optimizer, MuonAdamW) else "adamw"
+    if theirs == mine and ("optimizer" not in state
+                           or group_sizes(state["optimizer"]["param_groups"]) == group_sizes(optimizer.param_groups)):
+        return
+    made = f"optim={theirs}" if theirs != mine else "its parameters in other optimizer groups"
+    raise UserError(f"checkpoint {path} was made with {made}; resume with the optimizer settings it was made with "
+                    f"(optim={theirs}, and optim.head_lr, embed_lr, scalar_lr set or null alike), or start fresh with "
+                    "trainer.resume=none (or another hydra.run.dir)")
+
+
+def group_sizes(param_groups) -> List[int]:
+    return [len(group["params"]) for group in param_groups]
 
 
 def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:

@@ -18,7 +18,9 @@ from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
+from training.muon import COEFFICIENTS, LR_SCALES
 
+OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -28,14 +30,24 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    name: str = "adamw"  # adamw | muon: Muon for the blocks' weight matrices, AdamW for the rest (training/muon.py)
+    lr: float = 1e-3  # AdamW's; the schedule's shape (warmup, decay to min_lr / lr) applies to every group
     min_lr: float = 1e-4
-    weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings decay-free
+    weight_decay: float = 0.1  # AdamW, on matmul weights only; norms, biases and embeddings decay-free
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 100
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying to min_lr
+    head_lr: Optional[float] = None  # AdamW lr of the head (and of the token embedding tied to it); null: lr
+    embed_lr: Optional[float] = None  # of the tables only looked up: untied token embedding, positions, value embeddings; null: lr
+    scalar_lr: Optional[float] = None  # of norms, biases, gates, value-mix and skip weights; null: lr
+    muon_lr: float = 0.02  # optim=muon: the blocks' weight matrices
+    muon_momentum: float = 0.95  # Nesterov
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies a matrix by 1 - lr * muon_weight_decay
+    muon_cautious: bool = True  # decay a weight only where the update moves it toward zero (modded-nanogpt)
+    muon_coefficients: str = "polar_express"  # polar_express (modded-nanogpt) | jordan (torch.optim.Muon)
+    muon_lr_scale: str = "shape"  # shape: lr x sqrt(max(1, rows/cols)) | rms: lr x 0.2 sqrt(max(rows, cols))
 
 
 @dataclass
@@ -101,8 +113,21 @@ def validate(cfg: TrainConfig) -> None:
         check_options(cfg.attention.name, {"g": f"model.gate={cfg.model.gate}"})
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
+    check_choice("optim", o.name, OPTIMIZERS)
     check_choice("optim.schedule", o.schedule, SCHEDULES)
     check_positive("optim.lr", o.lr)
+    for key in ("head_lr", "embed_lr", "scalar_lr"):
+        if getattr(o, key) is not None:
+            check_positive(f"optim.{key}", getattr(o, key))
+    check_positive("optim.muon_lr", o.muon_lr)
+    check_positive("optim.muon_weight_decay", o.muon_weight_decay, allow_zero=True)
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise UserError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
+    check_choice("optim.muon_coefficients", o.muon_coefficients, tuple(COEFFICIENTS))
+    check_choice("optim.muon_lr_scale", o.muon_lr_scale, LR_SCALES)
+    if o.name == "muon" and t.distributed == "fsdp":
+        raise UserError("optim=muon orthogonalises whole weight matrices, which trainer.distributed=fsdp splits over "
+                        "the ranks; use trainer.distributed=ddp (or optim=adamw)")
     check_positive("optim.min_lr", o.min_lr, allow_zero=True)
     check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     check_positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
