@@ -54,7 +54,7 @@ class OptimConfig:
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
-    compile: bool = False
+    compile: Any = False  # true: the whole model one graph | blocks: each block (one graph shared, compiled once) | false
     cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
     max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
@@ -146,6 +146,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
     if not (isinstance(t.cuda_graph, bool) or t.cuda_graph == "auto"):
         raise UserError(f"trainer.cuda_graph={t.cuda_graph!r} must be true, false or auto")
+    if not (isinstance(t.compile, bool) or t.compile == "blocks"):
+        raise UserError(f"trainer.compile={t.compile!r} must be true, false or blocks")
     if t.vram_budget_gb is not None:
         check_positive("trainer.vram_budget_gb", t.vram_budget_gb)
     for key in ("max_steps", "grad_accum", "eval_interval", "eval_iters",

@@ -17,9 +17,10 @@ from training.checkpoint import list_checkpoints, rng_state
 from training.config import TrainConfig
 from training.errors import Interrupted, NonFiniteState, OutOfMemory
 from training.health import LossWatch
+from training.metrics import StartupClock
 from training.optim import lr_at, set_lr
 from training.precision import resolve_device
-from training.run import Run, setup_run
+from training.run import Run, add_run_info, setup_run
 from training.run_folder import claim_run_folder
 from training.signals import StopRequest
 from training.step import evaluate, generate_sample
@@ -32,6 +33,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
     """
     t = cfg.trainer
     ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
+    clock = StartupClock(device)
     lock = None
     try:
         lock = claim_run_folder(Path(run_dir), ranks)  # one run per folder; rank 0 holds it
@@ -41,7 +43,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
                   f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
             return summary(run, run.start_step, None, None, 0.0, "")
         with contextlib.closing(run.logger):
-            loss, val_loss, elapsed = train_loop(run)
+            loss, val_loss, elapsed = train_loop(run, clock)
         return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
     finally:
         if lock is not None:
@@ -49,11 +51,15 @@ def train(cfg: TrainConfig, run_dir: Path) -> dict:
         distributed.teardown()
 
 
-def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
-    """Steps start_step + 1 .. max_steps. Returns (last loss, last val_loss, seconds taken)."""
+def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, Optional[float], float]:
+    """Steps start_step + 1 .. max_steps. Returns (last loss, last val_loss, seconds taken).
+
+    ``clock`` times the first steps from the process start; rank 0 adds its record to run.json."""
     t = run.cfg.trainer
     loss, val_loss, saved = float("nan"), None, None
     watch = LossWatch(run.device, t.max_bad_steps, run.start_step, run.run_dir, run.cfg.optim.lr)
+    clock = clock or StartupClock(run.device)
+    clock.loop_started()
     started = time.perf_counter()
     with StopRequest() as stop:
         for step in range(run.start_step + 1, t.max_steps + 1):
@@ -61,6 +67,8 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
             set_lr(run.optimizer, lr)
             loss_t, grad_norm_t, good = take_step(run, step)
             watch.count(step, loss_t, good)
+            if (clock.step_done() or step == t.max_steps) and run.ranks.is_main:
+                add_run_info(run.run_dir, clock.record())
 
             stopping = distributed.any_rank(bool(stop.signum), run.ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps

@@ -102,7 +102,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     if ranks.is_main and not finished:
         write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size)
 
-    step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
+    step_model = compiled(parallel_model, model, ranks, t.compile) if t.compile else parallel_model
     shard = SequenceShard(ranks.context_rank, ranks.context_size)
     step = functools.partial(train_step, step_model, model, optimizer, scaler, t=t, device=device, dtype=dtype,
                              shard=shard)
@@ -167,11 +167,14 @@ def throughput_meter(model: GPT, ranks: distributed.Ranks, device, peak_override
     return ThroughputMeter(device, per_token, peak * ranks.world_size if peak else None)
 
 
-def compiled(parallel_model, ranks: distributed.Ranks):
-    """``torch.compile`` the model; under FSDP block by block, so the sharding hooks stay between the graphs."""
-    if not ranks.sharded:
+def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
+    """The model under ``torch.compile`` as trainer.compile says: true, the whole model as one graph
+    (under FSDP block by block, so the sharding hooks stay between the graphs); blocks, each block on
+    its own (regional compilation): the blocks share one graph, compiled once, in a fraction of the
+    time, and what lies between them runs eagerly."""
+    if how != "blocks" and not ranks.sharded:
         return torch.compile(parallel_model)
-    for block in parallel_model.blocks:
+    for block in model.blocks:
         block.compile()
     return parallel_model
 
@@ -188,6 +191,13 @@ def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, ba
         "batch_size": batch_size,
     }
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def add_run_info(run_dir: Path, fields: dict) -> None:
+    """Add ``fields`` to run.json (the startup times, training/metrics.py: StartupClock)."""
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**info, **fields}, indent=1) + "\n")
 
 
 def triton_version_or_none():
