@@ -89,6 +89,12 @@ class MuonAdamW(torch.optim.AdamW):
     Muon matrix is its momentum buffer, saved and loaded with the rest.
     """
 
+    def __setstate__(self, state: dict) -> None:
+        """(load_state_dict calls it.) AdamW's checks of its state look at its own groups only."""
+        groups = state["param_groups"]
+        super().__setstate__({**state, "param_groups": [group for group in groups if not group["muon"]]})
+        self.param_groups = groups
+
     def step(self):
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         with torch.no_grad():

@@ -28,29 +28,37 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     embedding is the head's weight, so it decays with the matmuls; position and value tables, norms,
     biases and scalars do not. Learning rates by role: optim.head_lr, embed_lr (tables), scalar_lr
     (the rest), each null for optim.lr; the blocks' matrices take optim.lr under AdamW, optim.muon_lr
-    under Muon. Parameters that share settings share a group, in the model's order (with every lr
-    null, AdamW has two groups: decay, no decay). Each group's ``lr_scale`` is its lr over optim.lr:
-    the schedule sets lr_at(step) * lr_scale (``set_lr``). The fused implementation (CUDA and CPU) is
+    under Muon. Parameters that share an lr setting and a decay share a group, in the model's order,
+    so the groups depend on which settings are set, not on their values (with every role's lr null,
+    AdamW has two groups: decay, no decay). Each group's ``lr_scale`` is its lr over optim.lr: the
+    schedule sets lr_at(step) * lr_scale (``set_lr``). The fused implementation (CUDA and CPU) is
     required: it can skip a step on the device (``found_inf``) without a host sync.
     """
     roles = parameter_roles(model)
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     row_splits = {id(p): splits for p, splits in model.weight_matrices()}
-    role_lr = {"matrix": cfg.muon_lr if cfg.name == "muon" else cfg.lr, "head": cfg.head_lr, "table": cfg.embed_lr,
-               "other": cfg.scalar_lr}
+    role_lr = {"matrix": "muon_lr" if cfg.name == "muon" else "lr", "head": "head_lr", "table": "embed_lr",
+               "other": "scalar_lr"}
     groups: Dict[Tuple, dict] = {}
     for p in model.parameters():
-        role = roles[id(p)]
-        muon = cfg.name == "muon" and role == "matrix"
-        lr = role_lr[role] if role_lr[role] is not None else cfg.lr
-        settings = {"lr": lr, "lr_scale": lr / cfg.lr, "muon": muon,
-                    "weight_decay": (cfg.muon_weight_decay if muon else cfg.weight_decay) if id(p) in linear_weights else 0.0}
-        if muon:
-            settings.update(momentum=cfg.muon_momentum, coefficients=cfg.muon_coefficients,
-                            lr_scale_kind=cfg.muon_lr_scale, cautious=cfg.muon_cautious, row_splits=row_splits[id(p)])
-        groups.setdefault(tuple(settings.items()), {**settings, "params": []})["params"].append(p)
+        source = role_lr[roles[id(p)]] if getattr(cfg, role_lr[roles[id(p)]]) is not None else "lr"
+        muon = source == "muon_lr"
+        decay = (cfg.muon_weight_decay if muon else cfg.weight_decay) if id(p) in linear_weights else 0.0
+        group = groups.setdefault((source, decay, row_splits.get(id(p)) if muon else None),
+                                  {"params": [], **group_settings(cfg, source, decay, row_splits.get(id(p)))})
+        group["params"].append(p)
     optimizer = MuonAdamW if cfg.name == "muon" else torch.optim.AdamW
     return optimizer(list(groups.values()), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+
+
+def group_settings(cfg: OptimConfig, source: str, weight_decay: float, row_splits) -> dict:
+    """A group's settings: its lr (optim.<source>) and lr_scale, its decay, and Muon's (source muon_lr)."""
+    lr = getattr(cfg, source)
+    settings = {"lr": lr, "lr_scale": lr / cfg.lr, "weight_decay": weight_decay, "muon": source == "muon_lr"}
+    if settings["muon"]:
+        settings.update(momentum=cfg.muon_momentum, coefficients=cfg.muon_coefficients, lr_scale_kind=cfg.muon_lr_scale,
+                        cautious=cfg.muon_cautious, row_splits=row_splits)
+    return settings
 
 
 @contextlib.contextmanager
