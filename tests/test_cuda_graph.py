@@ -1,5 +1,6 @@
 """trainer.cuda_graph: clipping inside the fused step, the captured step's pieces, and (on a GPU)
 captured runs that match uncaptured ones step for step."""
+import dataclasses
 import json
 
 import pytest
@@ -195,3 +196,33 @@ def test_a_captured_run_with_attention_dropout_draws_fresh_bits_at_every_replay(
         train(cfg, tmp_path / str(captured))
         runs[captured] = loss_records(tmp_path / str(captured))
     assert_same_records(runs[True], runs[False], rel=1e-3)
+
+
+RECIPE = dict(qk_norm=True, mlp="relu2", zero_init=True, logit_softcap=15.0, tie_embeddings=False, value_embeds=1,
+              skips="unet", pos="rope", norm="rmsnorm")
+
+
+@CUDA
+@pytest.mark.parametrize("compile_, attention", [(False, "sdpa"), (True, "flash")])
+def test_a_captured_recipe_run_with_muon_matches_the_uncaptured_one(tmp_path, data_cache, compile_, attention):
+    """optim=muon (the learning rate a device tensor, Newton-Schulz batched in bf16, clipping and the
+    skip flag on the device) with every switch of the recipe: captured equals uncaptured step for step."""
+    runs = {}
+    for captured in (False, True):
+        cfg = gpu_config(data_cache, compile=compile_, cuda_graph=captured)
+        cfg.model = dataclasses.replace(cfg.model, **RECIPE)
+        cfg.optim.name = "muon"
+        cfg.attention.name = attention
+        train(cfg, tmp_path / str(captured))
+        runs[captured] = loss_records(tmp_path / str(captured))
+    assert_same_records(runs[True], runs[False], rel=1e-3 if compile_ else 1e-5)
+
+
+@CUDA
+def test_muon_in_fp16_learns_under_the_grad_scaler(tmp_path, data_cache):
+    cfg = gpu_config(data_cache, dtype="fp16", max_steps=40, log_interval=10)
+    cfg.model = dataclasses.replace(cfg.model, **RECIPE)
+    cfg.optim.name = "muon"
+    train(cfg, tmp_path)
+    records = loss_records(tmp_path)
+    assert records[-1][1] < records[0][1] - 0.5

@@ -171,7 +171,10 @@ def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
     """The model under ``torch.compile`` as trainer.compile says: true, the whole model as one graph
     (under FSDP block by block, so the sharding hooks stay between the graphs); blocks, each block on
     its own (regional compilation): the blocks share one graph, compiled once, in a fraction of the
-    time, and what lies between them runs eagerly."""
+    time, and what lies between them runs eagerly. Graphs an earlier job of a multirun compiled in this
+    process are dropped first: each run compiles its own (from the disk caches when it can), and a long
+    multirun never meets dynamo's limit on recompilations, past which it would run uncompiled."""
+    torch._dynamo.reset()
     if how != "blocks" and not ranks.sharded:
         return torch.compile(parallel_model)
     for block in model.blocks:
