@@ -7,11 +7,15 @@
 #   OUT=bench/recipe bash scripts/ablation_recipe.sh                       # on a GPU: 22 runs
 #   OUT=bench/recipe SIDES=add bash scripts/ablation_recipe.sh             # baseline, + each switch, recipe (12)
 #   OUT=bench/recipe SIDES=remove bash scripts/ablation_recipe.sh          # baseline, recipe, - each switch (12)
-#   OUT=/tmp/recipe bash scripts/ablation_recipe.sh trainer.max_steps=4 trainer.device=cpu model.n_layer=2
+#   ONTO=linux_corpus SIDES=none TARGET=base OUT=bench/linux bash scripts/ablation_recipe.sh model=gpt2
+#                                                   # the second corpus: baseline and recipe, and how soon
+#                                                   # the recipe reaches the baseline's final val loss
+#   OUT=/tmp/recipe bash scripts/ablation_recipe.sh trainer.max_steps=4 trainer.device=cpu model.n_embd=36
 #                                                   # extra overrides go to every run
 #
 # The switches and the variants' configs: scripts/recipe_ablation.py (each a generated experiment that
-# builds on speedrun_char, found through train.py -cd). TARGET (default 1.47) is the val loss timed.
+# builds on ONTO, default speedrun_char, found through train.py -cd). TARGET (default 1.47; base: the
+# baseline's final val loss) is the val loss timed.
 # Writes to $OUT: ablation.md (environment, command, table), table.md, metrics.jsonl (every run's
 # records, each tagged with its run), val_vs_step.png, val_vs_time.png, train.log. The run folders go
 # to $WORK (default: a fresh temporary folder). TRAIN_TIMEOUT (default 1500 s) limits the multirun;
@@ -35,7 +39,9 @@ step() {  # step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, it
     [ "$rc" -eq 0 ] || STATUS+=("$name failed with status $rc$([ "$rc" -eq 124 ] && echo " (out of time)"); see $(basename "$log")")
 }
 
-VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --sides ${SIDES:-add remove}) || exit 2
+SIDES=${SIDES:-add remove}
+VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
+           --sides ${SIDES/none/}) || exit 2
 SWEEP=(-cd "$WORK/configs" "experiment=$VARIANTS")
 step training "${TRAIN_TIMEOUT:-1500}" "$OUT/train.log" \
     "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" \
@@ -49,7 +55,7 @@ done >"$OUT/metrics.jsonl"
 cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_time.png "$OUT"/ 2>/dev/null
 
 {
-    echo "# The recipe's ablation (experiment=speedrun_char)"
+    echo "# The recipe's ablation (on experiment=${ONTO:-speedrun_char})"
     echo
     "$PYTHON" -c 'import torch; from scripts.bench_common import environment
 d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" for k, v in environment(torch.device(d)).items()))'

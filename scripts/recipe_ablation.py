@@ -1,18 +1,22 @@
 """The recipe's ablation (scripts/ablation_recipe.sh runs it): its variants as experiment configs, and its report.
 
     python scripts/recipe_ablation.py variants --out WORK/configs      # writes them, prints their names
+    python scripts/recipe_ablation.py variants --onto linux_corpus --sides --out WORK/configs   # base, recipe
     python scripts/recipe_ablation.py report WORK/multirun --target 1.47 --out OUT
+    python scripts/recipe_ablation.py report WORK/multirun --target base --out OUT   # the baseline's final val
 
 The switches (SWITCHES) are the settings in which experiment=speedrun_char differs from the schema's
 defaults: on, a switch takes speedrun_char's value; off, the default (GPT-2 as nanoGPT trains it).
-The variants, each an experiment config that builds on speedrun_char (its steps, schedule and
-evaluation): ``ablation_base`` (every switch off), ``ablation_base_plus_<switch>`` (one on),
-``ablation_recipe`` (every switch on: speedrun_char) and ``ablation_recipe_minus_<switch>`` (one off).
-``--sides add`` or ``remove`` writes only the baseline's or the recipe's half, both ends kept.
+The variants, each an experiment config that builds on ``--onto`` (default speedrun_char: its steps,
+schedule and evaluation): ``ablation_base`` (every switch off), ``ablation_base_plus_<switch>`` (one
+on), ``ablation_recipe`` (every switch on) and ``ablation_recipe_minus_<switch>`` (one off).
+``--sides add`` or ``remove`` writes only the baseline's or the recipe's half, ``--sides`` alone
+neither: the two ends only.
 
 The report: one table (final and best validation loss, the step and the seconds from the loop's start
-at which the validation loss first reached ``--target``, tokens/s, wall time) and plots of the
-validation loss against steps and against wall time, the additions and the removals side by side.
+at which the validation loss first reached ``--target``, that time over the baseline's whole run,
+tokens/s, wall time) and plots of the validation loss against steps and against wall time, the
+additions and the removals side by side.
 """
 import argparse
 import sys
@@ -62,8 +66,8 @@ def variants(sides) -> dict:
     return out
 
 
-def write_variants(out: Path, sides) -> list:
-    """One experiment file per variant under out/experiment/; the names, in order."""
+def write_variants(out: Path, sides, onto: str) -> list:
+    """One experiment file per variant, each built on experiment=<onto>, under out/experiment/; the names."""
     values = switch_values()
     folder = out / "experiment"
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,7 +78,7 @@ def write_variants(out: Path, sides) -> list:
         OmegaConf.update(settings, "trainer.run_name", name)
         body = OmegaConf.to_yaml(settings)
         (folder / f"{name}.yaml").write_text(f"# @package _global_\n# {name}: written by scripts/recipe_ablation.py\n"
-                                             f"defaults:\n  - {RECIPE}\n{body}")
+                                             f"defaults:\n  - {onto}\n{body}")
     return list(variants(sides))
 
 
@@ -83,27 +87,36 @@ def time_to(curve, target: float):
     return next(((step, s) for step, s, loss in curve if loss <= target), (None, None))
 
 
-def report_rows(multirun: Path, target: float) -> list:
+def report_rows(multirun: Path, target) -> tuple:
+    """(rows in the variants' order, the target loss: ``target``, or with "base" the baseline's final val)."""
     rows = []
     for folder, _ in find_runs([str(multirun)]):
         run = load_run(folder, folder.name)
         cfg = OmegaConf.load(folder / "config.yaml")
         vals = [loss for _, _, loss in run["val_curve"]]
-        step, seconds = time_to(run["val_curve"], target)
         rows.append({"variant": OmegaConf.select(cfg, "trainer.run_name"), "final": vals[-1] if vals else None,
-                     "best": min(vals) if vals else None, "step": step, "seconds": seconds,
-                     "tokens_per_s": run["tokens_per_s"], "wall_s": run["wall_s"], "curve": run["val_curve"],
-                     "env": run["env"]})
+                     "best": min(vals) if vals else None, "tokens_per_s": run["tokens_per_s"], "wall_s": run["wall_s"],
+                     "curve": run["val_curve"], "env": run["env"]})
     order = list(variants(("add", "remove")))
-    return sorted(rows, key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    rows.sort(key=lambda r: order.index(r["variant"]) if r["variant"] in order else len(order))
+    base = next((r for r in rows if r["variant"] == "ablation_base"), None)
+    if target == "base":
+        if base is None or base["final"] is None:
+            fail(f"--target base: {multirun} holds no finished ablation_base run to take the target from")
+        target = base["final"]
+    for r in rows:
+        r["step"], r["seconds"] = time_to(r["curve"], float(target))
+        r["share"] = r["seconds"] / base["wall_s"] if r["seconds"] is not None and base and base["wall_s"] else None
+    return rows, float(target)
 
 
 def markdown(rows, target: float) -> str:
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-    lines = [f"| variant | final val | best val | step to val <= {target} | s to val <= {target} | tokens/s | "
-             "wall time (s) |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| variant | final val | best val | step to val <= {target:.4f} | s to val <= {target:.4f} | "
+             "x the baseline's run | tokens/s | wall time (s) |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {fmt(r['final'], '.4f')} | {fmt(r['best'], '.4f')} | {fmt(r['step'], 'd')} | "
-              f"{fmt(r['seconds'], '.1f')} | {fmt(r['tokens_per_s'], ',.0f')} | {fmt(r['wall_s'], '.1f')} |" for r in rows]
+              f"{fmt(r['seconds'], '.1f')} | {fmt(r['share'], '.2f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
+              f"{fmt(r['wall_s'], '.1f')} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -138,22 +151,30 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("variants", help="write the variants' experiment configs; print their names, comma-separated")
     v.add_argument("--out", required=True, help="a config folder (its experiment/ gets the files), for train.py -cd")
-    v.add_argument("--sides", nargs="+", choices=("add", "remove"), default=["add", "remove"])
+    v.add_argument("--sides", nargs="*", choices=("add", "remove"), default=["add", "remove"],
+                   help="which halves (default both; none: the baseline and the recipe only)")
+    v.add_argument("--onto", default=RECIPE, help=f"the experiment the variants build on (default {RECIPE})")
     r = sub.add_parser("report", help="table and plots of a finished ablation multirun")
     r.add_argument("multirun", help="the multirun folder")
-    r.add_argument("--target", type=float, default=1.47, help="the validation loss to time (default 1.47)")
+    r.add_argument("--target", default="1.47", help="the validation loss to time (default 1.47), or base: the "
+                                                   "baseline's final validation loss")
     r.add_argument("--out", required=True, help="folder for ablation.md's table (table.md) and the plots")
     args = p.parse_args(argv)
     if args.command == "variants":
-        print(",".join(write_variants(Path(args.out), args.sides)))
+        print(",".join(write_variants(Path(args.out), args.sides, args.onto)))
         return
-    rows = report_rows(Path(args.multirun), args.target)
+    if args.target != "base":
+        try:
+            float(args.target)
+        except ValueError:
+            fail(f"--target {args.target}: give a validation loss (e.g. 1.47) or base")
+    rows, target = report_rows(Path(args.multirun), args.target)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     envs = list(dict.fromkeys(row["env"] for row in rows if row["env"]))
-    table = "\n".join([f"# {env}" for env in envs] + [markdown(rows, args.target)])
+    table = "\n".join([f"# {env}" for env in envs] + [markdown(rows, target)])
     (out / "table.md").write_text(table + "\n")
-    plot(rows, args.target, out)
+    plot(rows, target, out)
     print(table)
 
 
