@@ -28,16 +28,7 @@ WORK=${WORK:-$(mktemp -d)}
 PYTHON=${PYTHON:-python3}
 TARGET=${TARGET:-1.47}
 mkdir -p "$OUT" "$WORK"
-STATUS=()
-
-step() {  # step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, its output into LOG
-    local name=$1 limit=$2 log=$3
-    shift 3
-    echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" >"$log" 2>&1
-    local rc=$?
-    [ "$rc" -eq 0 ] || STATUS+=("$name failed with status $rc$([ "$rc" -eq 124 ] && echo " (out of time)"); see $(basename "$log")")
-}
+source scripts/ablation_common.sh
 
 SIDES=${SIDES:-add remove}
 VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
@@ -49,16 +40,13 @@ step training "${TRAIN_TIMEOUT:-1500}" "$OUT/train.log" \
 step report 120 "$WORK/report.log" \
     "$PYTHON" scripts/recipe_ablation.py report "$WORK/multirun" --target "$TARGET" --out "$WORK/report"
 
-for f in "$WORK"/multirun/*/metrics.jsonl; do
-    [ -f "$f" ] && sed "s/^{/{\"run\": \"$(basename "$(dirname "$f")")\", /" "$f"
-done >"$OUT/metrics.jsonl"
+tagged_records "$WORK/multirun" >"$OUT/metrics.jsonl"
 cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_time.png "$OUT"/ 2>/dev/null
 
 {
     echo "# The recipe's ablation (on experiment=${ONTO:-speedrun_char})"
     echo
-    "$PYTHON" -c 'import torch; from scripts.bench_common import environment
-d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" for k, v in environment(torch.device(d)).items()))'
+    environment_line
     echo
     echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS $*\` (the variants written by"
     echo "\`python scripts/recipe_ablation.py variants\`), then \`python scripts/recipe_ablation.py report <multirun> --target $TARGET\`."
@@ -69,7 +57,7 @@ d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" f
     echo
     echo "![val loss against step](val_vs_step.png)"
     echo "![val loss against wall time](val_vs_time.png)"
-    for line in "${STATUS[@]+"${STATUS[@]}"}"; do echo; echo "**$line**"; done
+    status_lines
 } >"$OUT/ablation.md"
 cat "$OUT/ablation.md"
 ls "$OUT"

@@ -21,6 +21,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-5}
+source scripts/ablation_common.sh
 mkdir -p "$OUT"
 : >"$OUT/startup.jsonl"
 
@@ -55,8 +56,7 @@ done
 {
     echo "# Seconds from the command to the first training steps"
     echo
-    "$PYTHON" -c 'import torch; from scripts.bench_common import environment
-d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" for k, v in environment(torch.device(d)).items()))'
+    environment_line
     echo
     echo "Command per run: \`python train.py experiment=<e> trainer.compile=<c> trainer.max_steps=$STEPS" \
          "trainer.eval_iters=1 trainer.sample_tokens=0 $*\`; cold: every cache in a fresh folder, warm: the same" \

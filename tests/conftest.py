@@ -40,6 +40,11 @@ def tiny_config(cache_dir: str, **trainer) -> TrainConfig:
     )
 
 
+# Every model switch of the small-GPT recipe (docs/RECIPE.md), on, for a model of at least 2 layers.
+RECIPE = dict(qk_norm=True, mlp="relu2", zero_init=True, logit_softcap=15.0, tie_embeddings=False, value_embeds=1,
+              skips="unet", pos="rope", norm="rmsnorm")
+
+
 def device_for(backend: str) -> str:
     """Where a test runs ``backend``: flash on the GPU when there is one (it runs on CUDA tensors only;
     without a GPU, on the CPU under Triton's interpreter), every other backend on the CPU."""

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import check_a_short_run_learns, tiny_config
+from conftest import RECIPE, check_a_short_run_learns, tiny_config
 from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import build_attention
@@ -16,8 +16,6 @@ from model.config import AttentionConfig
 from training.checkpoint import load_checkpoint
 from training.loop import train
 
-RECIPE = dict(qk_norm=True, mlp="relu2", zero_init=True, logit_softcap=15.0, tie_embeddings=False, value_embeds=1,
-              skips="unet", pos="rope", norm="rmsnorm")
 CUDA = torch.cuda.is_available()
 
 
