@@ -1,5 +1,5 @@
 """The second benchmark corpus (experiment=linux_corpus): Linux 6.1's documentation and C sources, as
-Debian's package linux-source-6.1 ships them: 160 MB of UTF-8 text, about 70M GPT-2 tokens.
+Debian's package linux-source-6.1 ships them: 160 MB of UTF-8 text, 70.9M GPT-2 tokens.
 
     python scripts/prepare_corpus.py pack --out bench/corpus/linux-6.1.tar.xz      # needs apt (Debian) and a network
     python scripts/prepare_corpus.py pack --deb linux-source-6.1_*.deb --out ...   # from a .deb already here
