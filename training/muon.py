@@ -18,7 +18,7 @@ orthogonalize(X): transpose a tall X, divide by its Frobenius norm (every singul
 X <- a X + b (X X^T) X + c (X X^T)^2 X for each (a, b, c) of the chosen coefficients:
 ``polar_express`` (Amsel et al. 2025, five tuned steps; modded-nanogpt's) or ``jordan`` (3.4445,
 -4.7750, 2.0315, five times; torch.optim.Muon's). On a GPU the iteration runs in bf16 on every matrix
-of one shape at once (a batched matmul); elsewhere in the parameters' dtype, one matrix at a time.
+of one shape at once (a batched matmul); elsewhere the same, in the parameters' dtype.
 
 Why not torch.optim.Muon (PyTorch >= 2.9): its step reads the learning rate on the host and takes
 no gradient scale or skip flag, so it can be neither captured in a CUDA graph (trainer.cuda_graph)
@@ -119,14 +119,12 @@ class MuonAdamW(torch.optim.AdamW):
                                                               parts(nesterov, group["row_splits"]))]
         by_shape: Dict[tuple, List[int]] = defaultdict(list)
         for i, (group, _, u) in enumerate(updates):
-            by_shape[(u.shape, u.device, group["coefficients"])].append(i)
-        for (_, device, coefficients), indices in by_shape.items():
-            if device.type == "cuda":  # one batched iteration in bf16 for every matrix of this shape
-                stacked = orthogonalize(torch.stack([updates[i][2] for i in indices]), coefficients, torch.bfloat16)
-                orthogonal = list(stacked.unbind(0))
-            else:
-                orthogonal = [orthogonalize(updates[i][2], coefficients, updates[i][2].dtype) for i in indices]
-            for i, o in zip(indices, orthogonal):
+            by_shape[(u.shape, u.device, u.dtype, group["coefficients"])].append(i)
+        for (_, device, dtype, coefficients), indices in by_shape.items():
+            # one batched iteration for every matrix of this shape: in bf16 on a GPU, else in the weights' dtype
+            stacked = torch.stack([updates[i][2] for i in indices])
+            orthogonal = orthogonalize(stacked, coefficients, torch.bfloat16 if device.type == "cuda" else dtype)
+            for i, o in zip(indices, orthogonal.unbind(0)):
                 group, weight, _ = updates[i]
                 self._apply(weight, o.to(weight.dtype), group, found_inf)
 
