@@ -70,7 +70,8 @@ def test_zero_init_and_an_untied_head_start_the_output_projections_and_the_head_
     assert model.lm_head.weight is not model.wte.weight and not model.lm_head.weight.any()
     assert all(not b.attn.c_proj.weight.any() and not b.mlp.c_proj.weight.any() for b in model.blocks)
     assert model.wte.weight.any() and model.blocks[0].attn.c_attn.weight.any()
-    assert gpt().lm_head.weight is gpt().wte.weight or gpt().cfg.tie_embeddings  # tied by default
+    tied = gpt()
+    assert tied.lm_head.weight is tied.wte.weight  # by default
     assert model.num_params() == gpt(tie_embeddings=False).num_params() < model.num_params(non_embedding=False)
 
 
