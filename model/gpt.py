@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import Attention
 from kernels.cross_entropy import capped_logits
+from model.attention import Attention
 from model.config import ModelConfig
 from model.loss import lm_loss
 
@@ -101,15 +101,16 @@ class CausalSelfAttention(nn.Module):
         return rope is not None or self.qk_norm or self.ve_mix is not None
 
     def split_heads(self, qkv: torch.Tensor, rope, ve: Optional[torch.Tensor]):
-        """The projection qkv: (B, T, H + 2 * Hkv, D) as (q, k, v), each (B, T, H|Hkv, D), after QK-norm
+        """The projection qkv: (B, T, H + 2 * Hkv, D) as (q, k, v), each (B, T, H|Hkv, D) in qkv's dtype
+        (autocast may compute a norm in fp32, and the value tables are fp32), after QK-norm
         (model.qk_norm), rotary positions and the value embedding's mix (model.value_embeds)."""
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
         if self.qk_norm:
-            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
+            q, k = (F.rms_norm(t, (self.head_dim,)).to(qkv.dtype) for t in (q, k))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.ve_mix is not None:
-            v = self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v)
+            v = (self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v)).to(qkv.dtype)
         return q, k, v
 
 

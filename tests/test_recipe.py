@@ -35,6 +35,15 @@ def test_qk_norm_gives_every_head_of_q_and_k_unit_rms():
     assert torch.equal(v, qkv[:, :, 4:])
 
 
+def test_q_k_and_v_keep_the_projections_dtype_under_autocast():
+    """The value tables are fp32 and autocast may norm in fp32: the backend still gets one dtype."""
+    attn = gpt(qk_norm=True, value_embeds=1).blocks[0].attn
+    qkv = torch.randn(2, 7, 6, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = attn.split_heads(qkv, None, torch.randn(2, 7, 16))
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+
+
 def test_value_embeddings_serve_the_first_and_the_last_blocks_in_order():
     model = gpt(n_layer=6, value_embeds=2)
     assert [block.attn.ve_mix is not None for block in model.blocks] == [True, True, False, False, True, True]
