@@ -139,7 +139,7 @@ def assert_same_records(captured, plain, rel=1e-5):
 @CUDA
 @pytest.mark.parametrize("dtype, compile_, attention, recipe", [
     ("bf16", False, "sdpa", False), ("fp32", False, "sdpa", False), ("bf16", True, "flash", False),
-    ("bf16", False, "sdpa", True), ("bf16", True, "flash", True),
+    ("bf16", False, "sdpa", True), ("bf16", True, "flash", True), ("bf16", "blocks", "flash", True),
 ])
 def test_a_captured_run_matches_the_uncaptured_one_step_for_step(tmp_path, data_cache, dtype, compile_, attention,
                                                                    recipe):

@@ -67,8 +67,7 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
             set_lr(run.optimizer, lr)
             loss_t, grad_norm_t, good = take_step(run, step)
             watch.count(step, loss_t, good)
-            if (clock.step_done() or step == t.max_steps) and run.ranks.is_main:
-                add_run_info(run.run_dir, clock.record())
+            note_startup(run, clock, step)
 
             stopping = distributed.any_rank(bool(stop.signum), run.ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps
@@ -105,6 +104,18 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
             if stopping:
                 raise interrupted(stop.signum, step, newest_checkpoint(run.run_dir) if unsaveable else saved)
     return loss, val_loss, time.perf_counter() - started
+
+
+def note_startup(run: Run, clock: StartupClock, step: int) -> None:
+    """Time the run's first steps (training/metrics.py: StartupClock): rank 0 says when the first one
+    ended, and adds the times to run.json after the last one timed (or the run's last step)."""
+    timed_all = clock.step_done()
+    if not run.ranks.is_main:
+        return
+    if step == run.start_step + 1 and clock.record()["first_step_s"] is not None:
+        run.logger.message(f"step {step} done {clock.record()['first_step_s']:.1f} s after the command started")
+    if timed_all or step == run.cfg.trainer.max_steps:
+        add_run_info(run.run_dir, clock.record())
 
 
 def take_step(run: Run, step: int):
