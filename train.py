@@ -8,6 +8,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from training.caches import keep_compiled_code
 from training.cli import add_overrides, check_overrides, config_from_hydra, machine_defaults
 from training.config import register_configs
 from training.exits import exit_on_error
@@ -23,6 +24,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    keep_compiled_code()  # compiled code kept on disk between runs; torch reads it when it first compiles
     with exit_on_error():  # Hydra's own errors (composing, -cd, ...) and signals before the job
         check_overrides(sys.argv[1:])
         sys.argv[1:] = add_overrides(sys.argv[1:], machine_defaults(sys.argv[1:]))

@@ -8,7 +8,8 @@ from errors import UserError, check_choice, check_finite, check_positive
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "none")
 GATES = ("none", "forget")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "swiglu", "relu2")
+SKIPS = ("none", "unet")
 NORM_EPS = 1e-5  # of every LayerNorm and RMSNorm (exported as layer_norm_epsilon / rms_norm_eps)
 ROPE_BASE = 10000.0  # rotary angles' base (exported as rope_theta)
 
@@ -31,7 +32,13 @@ class ModelConfig:
     pos: str = "learned"  # learned: a position table; rope: rotary q and k; none: no position signal (causality and gates only)
     gate: str = "none"  # forget: a per-head forget gate on the attention scores (FoX, model/gpt.py)
     gate_bias_init: float = 3.0  # forget gate's bias at init: gates start at sigmoid(3) = 0.95 (0: FoX's code, 0.5)
-    mlp: str = "gelu"
+    mlp: str = "gelu"  # gelu (4x wide) | swiglu (~8/3x, gated) | relu2: relu(x)^2, 4x wide
+    qk_norm: bool = False  # RMSNorm (no weight) of each head's q and k before attention (and before RoPE)
+    zero_init: bool = False  # the output projections (attention, MLP; the head when untied) start at zero
+    logit_softcap: Optional[float] = None  # s: the logits count as s * tanh(logit / s), in the loss and in generation
+    tie_embeddings: bool = True  # the head is the token embedding (GPT-2); false: a head of its own
+    value_embeds: int = 0  # k > 0: k token tables mixed into V of the first k and the last k blocks (modded-nanogpt)
+    skips: str = "none"  # unet: block n_layer-1-i's input gains a learned weight times block i's output, i < n_layer/2
     activation_checkpointing: bool = False
     loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
     init_from: Optional[str] = None  # start from these weights: a Hugging Face GPT-2/Llama folder or hub name, or a nanoflash run folder or checkpoint (training/init_from.py)
@@ -81,8 +88,13 @@ def validate_model(cfg: ModelConfig) -> None:
     if cfg.attention_dropout is not None and not 0.0 <= cfg.attention_dropout < 1.0:
         raise UserError(f"model.attention_dropout={cfg.attention_dropout} must be in [0, 1) (or null for model.dropout's)")
     check_finite("model.gate_bias_init", float(cfg.gate_bias_init))
-    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("gate", GATES), ("mlp", MLPS)):
+    for key, choices in (("norm", NORMS), ("pos", POSITIONS), ("gate", GATES), ("mlp", MLPS), ("skips", SKIPS)):
         check_choice(f"model.{key}", getattr(cfg, key), choices)
+    if cfg.logit_softcap is not None:
+        check_positive("model.logit_softcap", float(cfg.logit_softcap))
+    if not 0 <= cfg.value_embeds <= cfg.n_layer // 2:
+        raise UserError(f"model.value_embeds={cfg.value_embeds} must be between 0 (none) and n_layer/2 = "
+                        f"{cfg.n_layer // 2}: each table serves one of the first and one of the last blocks")
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")
 

@@ -1,4 +1,4 @@
-"""The GPT: token embedding, a stack of pre-norm transformer blocks, a tied language-model head.
+"""The GPT: token embedding, a stack of pre-norm transformer blocks, a language-model head.
 
 Read top to bottom: rotary embeddings, the attention layer, the MLP, the block, the model. The
 attention layer hands q, k, v in (B, T, H, D) layout to the backend chosen by ``attention=``; every
@@ -6,6 +6,11 @@ other part is plain PyTorch. Positions come from a learned table (model.pos=lear
 k (rope), or nowhere (none: causality, and with model.gate=forget the gates' decay, tell tokens
 apart). ``generate`` keeps a KV cache: the same forward, given the cache, prefills it with the
 backend and then decodes one token a step against it (model/kv_cache.py, model/generate.py).
+
+The small-GPT recipe of modded-nanogpt is a set of switches of ModelConfig, each off by default
+(GPT-2 as it was): model.qk_norm, mlp=relu2, zero_init, logit_softcap, tie_embeddings=false,
+value_embeds and skips=unet (docs/RECIPE.md). QK-norm and the value embeddings act where q, k and
+v are made (``CausalSelfAttention.project``), so every backend, and the KV cache, see plain q, k and v.
 """
 import math
 from typing import Callable, NamedTuple, Optional, Tuple
@@ -15,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kernels.cross_entropy import capped_logits
 from model.attention import Attention
 from model.config import NORM_EPS, ROPE_BASE, ModelConfig
 from model.generate import Sampler, generate_cached
@@ -57,10 +63,21 @@ class Projected(NamedTuple):
     qkv: Optional[torch.Tensor]
 
 
+def uses_value_embedding(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer`` mixes a value embedding into V: the first and the last model.value_embeds blocks."""
+    return layer < cfg.value_embeds or layer >= cfg.n_layer - cfg.value_embeds
+
+
+def value_embedding_table(cfg: ModelConfig, layer: int) -> int:
+    """Which table block ``layer`` uses: i for the i-th of the first blocks and the i-th of the last
+    (modded-nanogpt's 012...012 pattern)."""
+    return layer if layer < cfg.value_embeds else layer - (cfg.n_layer - cfg.value_embeds)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention around a pluggable backend."""
 
-    def __init__(self, cfg: ModelConfig, attention: Attention):
+    def __init__(self, cfg: ModelConfig, attention: Attention, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
@@ -77,28 +94,43 @@ class CausalSelfAttention(nn.Module):
         # head's memory. FoX's code starts the bias at 0 (gates 0.5); gate_bias_init=0 does the same.
         # Like every Linear, the weight decays and the bias does not (training/optim.py).
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.n_head, bias=True) if cfg.gate == "forget" else None
+        self.qk_norm = cfg.qk_norm
+        # model.value_embeds: v = a * v + b * ve, ve this block's value embedding of the input tokens
+        # (GPT.value_embeds), with learned (a, b) starting at (0.5, 0.5) as in modded-nanogpt.
+        self.ve_mix = nn.Parameter(torch.full((2,), 0.5)) if uses_value_embedding(cfg, layer) else None
         self.attention = attention  # the backend; its packed variant, when it has one, takes qkv unsplit
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]], doc_ids: Optional[torch.Tensor],
-                cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """x: (B, T, C) -> (B, T, C). With a cache (generation), k, v and the gates go into it, and a
-        decode step attends to it instead of calling the backend (model/kv_cache.py)."""
+                ve: Optional[torch.Tensor] = None, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C); ve: (B, T, Hkv * D), this block's value embedding, or None. With a
+        cache (generation), k, v and the gates go into it, and a decode step attends to it instead of
+        calling the backend (model/kv_cache.py)."""
         B, T, C = x.shape
-        p = self.project(x, rope)
+        p = self.project(x, rope, ve)
         if cache is not None:
             cache.write(p.k, p.v, p.g)
         y = cache.attend(p.q) if cache is not None and cache.decoding else self.attend(p, doc_ids)  # (B, T, H, D)
         return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
 
-    def project(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> Projected:
-        """q, k, v and the log gates of x (B, T, C): the one projection training, prefill and decode share."""
+    def project(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]],
+                ve: Optional[torch.Tensor] = None) -> Projected:
+        """q, k, v and the log gates of x (B, T, C), after QK-norm (model.qk_norm), rotary positions and
+        the value embedding's mix (model.value_embeds; ve: (B, T, Hkv * D) or None): the one projection
+        training, prefill and decode share. q, k, v stay in the projection's dtype (autocast may compute
+        a norm in fp32, and the value tables are fp32)."""
         B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
         g = F.logsigmoid(self.gate_proj(x).float()) if self.gate_proj is not None else None  # (B, T, H) fp32
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)  # (B, T, H|Hkv, D)
-        if rope is None:
+        if rope is None and not self.qk_norm and self.ve_mix is None:
             return Projected(q, k, v, g, qkv)
-        return Projected(apply_rope(q, *rope), apply_rope(k, *rope), v, g, None)
+        if self.qk_norm:
+            q, k = (F.rms_norm(t, (self.head_dim,)).to(qkv.dtype) for t in (q, k))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.ve_mix is not None:
+            v = (self.ve_mix[0] * v + self.ve_mix[1] * ve.view_as(v)).to(qkv.dtype)
+        return Projected(q, k, v, g, None)
 
     def attend(self, p: Projected, doc_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """The backend's attention over the forward's own tokens: (B, T, H, D)."""
@@ -111,10 +143,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (4x wide) or SwiGLU (about 8/3 x wide, rounded to 64) feed-forward layer."""
+    """GELU or ReLU² (4x wide), or SwiGLU (about 8/3 x wide, rounded to 64) feed-forward layer."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.kind = cfg.mlp
         self.gated = cfg.mlp == "swiglu"
         hidden = cfg.mlp_hidden
         self.c_fc = nn.Linear(cfg.n_embd, 2 * hidden if self.gated else hidden, bias=cfg.bias)
@@ -127,6 +160,8 @@ class MLP(nn.Module):
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.kind == "relu2":
+            h = F.relu(h).square()  # So et al. 2021 (Primer); modded-nanogpt's MLP
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))
@@ -135,18 +170,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, attention: Attention):
+    def __init__(self, cfg: ModelConfig, attention: Attention, layer: int = 0):
         super().__init__()
-        self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attention)
+        self.ln_1, self.attn = make_norm(cfg), CausalSelfAttention(cfg, attention, layer)
         self.ln_2, self.mlp = make_norm(cfg), MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope=None, doc_ids=None, cache: Optional[LayerCache] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope, doc_ids, cache)
+    def forward(self, x: torch.Tensor, rope=None, doc_ids=None, ve=None, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, doc_ids, ve, cache)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer with weight tying and GPT-2 initialisation.
+    """Decoder-only transformer with GPT-2 initialisation, its head tied to the token embedding
+    unless model.tie_embeddings=false.
 
     ``cfg.vocab_size`` must be set (the padded vocabulary); ``attention`` is the backend
     (model/attention: ``build_attention``).
@@ -158,15 +194,19 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        # model.value_embeds: tables of Hkv * D per token, the width of V (modded-nanogpt's value embeddings)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_dim)
+                                          for _ in range(cfg.value_embeds))
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, attention, layer) for layer in range(cfg.n_layer))
+        # model.skips=unet: block n_layer-1-i's input gains skip_weights[i] times block i's output
+        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.skips == "unet" else None
         self.ln_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
-        for block in self.blocks:
-            if block.attn.gate_proj is not None:
-                nn.init.constant_(block.attn.gate_proj.bias, cfg.gate_bias_init)
+        self._init_recipe()
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer), zero biases."""
@@ -178,11 +218,40 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @torch.no_grad()
+    def _init_recipe(self) -> None:
+        """What the switches change in the GPT-2 init: forget-gate biases, value tables at the scale of
+        the values they join (LayerNorm'd x times N(0, 0.02) weights: 0.02 * sqrt(n_embd)), and with
+        model.zero_init the output projections (and an untied head) at zero."""
+        for block in self.blocks:
+            if block.attn.gate_proj is not None:
+                nn.init.constant_(block.attn.gate_proj.bias, self.cfg.gate_bias_init)
+            if self.cfg.zero_init:
+                block.attn.c_proj.weight.zero_()
+                block.mlp.c_proj.weight.zero_()
+        for table in self.value_embeds:
+            nn.init.normal_(table.weight, mean=0.0, std=0.02 * math.sqrt(self.cfg.n_embd))
+        if self.cfg.zero_init and not self.cfg.tie_embeddings:
+            self.lm_head.weight.zero_()
+
+    def weight_matrices(self):
+        """The blocks' weight matrices (attention and MLP projections; not the gates), each with how its
+        rows split into matrices of their own: (q, k, v) rows of the fused projection, (gate, up) of
+        SwiGLU, or None. optim=muon orthogonalises each part separately (training/muon.py)."""
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            yield attn.c_attn.weight, (attn.n_head * attn.head_dim,) + (attn.n_kv_head * attn.head_dim,) * 2
+            yield attn.c_proj.weight, None
+            yield mlp.c_fc.weight, (mlp.c_proj.in_features,) * 2 if mlp.gated else None
+            yield mlp.c_proj.weight, None
+
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; the position table is left out by default (it does no matmul work)."""
+        """Parameter count; by default without the tables that are only looked up (no matmul work): the
+        position table, the value embeddings, and the token embedding when the head is not tied to it."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and self.wpe is not None:
-            n -= self.wpe.weight.numel()
+        if non_embedding:
+            lookups = [self.wpe, *self.value_embeds] + ([self.wte] if not self.cfg.tie_embeddings else [])
+            n -= sum(table.weight.numel() for table in lookups if table is not None)
         return n
 
     def forward(
@@ -198,9 +267,10 @@ class GPT(nn.Module):
         cache: a KV cache (``kv_cache``) when generating: idx's tokens go in at its next positions
         (prefill on an empty cache, decode on a filled one; model/kv_cache.py).
 
-        Returns (logits, loss): logits (B, T, V) and None when no targets are given (with a cache,
-        only the last position's: (B, 1, V)); with targets, None and the mean cross-entropy over all
-        positions, computed in chunks so the full logits never exist (model/loss.py).
+        Returns (logits, loss): logits (B, T, V), soft-capped with model.logit_softcap, and None when no
+        targets are given (with a cache, only the last position's: (B, 1, V)); with targets, None and the
+        mean cross-entropy over all positions, computed in chunks so the full logits never exist
+        (model/loss.py).
         """
         B, T = idx.shape
         x = self.wte(idx)
@@ -211,18 +281,26 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         x = self.drop(x)
-        for i, block in enumerate(self.blocks):
+        values = [table(idx) for table in self.value_embeds]  # (B, T, Hkv * D) each
+        n_skips = 0 if self.skip_weights is None else len(self.skip_weights)
+        skips = []  # model.skips=unet: outputs of the first n_skips blocks, the last one on top
+        for layer, block in enumerate(self.blocks):
+            if layer >= self.cfg.n_layer - n_skips:
+                x = x + self.skip_weights[self.cfg.n_layer - 1 - layer] * skips.pop()
+            ve = values[value_embedding_table(self.cfg, layer)] if block.attn.ve_mix is not None else None
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, doc_ids, use_reentrant=False)
+                x = checkpoint(block, x, rope, doc_ids, ve, use_reentrant=False)
             else:
-                x = block(x, rope, doc_ids, cache.layers[i] if cache is not None else None)
+                x = block(x, rope, doc_ids, ve, cache.layers[layer] if cache is not None else None)
+            if layer < n_skips:
+                skips.append(x)
         if cache is not None:
             cache.advance(T)
-            return self.lm_head(self.ln_f(x[:, -1:])), None
+            return capped_logits(self.lm_head(self.ln_f(x[:, -1:])), self.cfg.logit_softcap), None
         x = self.ln_f(x)
         if targets is None:
-            return self.lm_head(x), None
-        return None, lm_loss(x, self.lm_head.weight, targets, chunk=self.cfg.loss_chunk)
+            return capped_logits(self.lm_head(x), self.cfg.logit_softcap), None
+        return None, lm_loss(x, self.lm_head.weight, targets, chunk=self.cfg.loss_chunk, softcap=self.cfg.logit_softcap)
 
     def kv_cache(self, batch: int, capacity: int, device: torch.device) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``capacity`` tokens (model/kv_cache.py)."""

@@ -55,6 +55,12 @@ FIELDS: Dict[str, Field] = {
     "gate": Field(("none",), ("none",), FOLDER),
     "gate_bias_init": Field(ANY, ANY, FREE),  # the gate's bias before training; the weights hold the trained one
     "mlp": Field(("gelu",), ("swiglu",), FOLDER),
+    "qk_norm": Field((False,), (False,), FOLDER),
+    "zero_init": Field(ANY, ANY, FREE),  # how the weights started; the weights hold where they went
+    "logit_softcap": Field((None,), (None,), FOLDER),
+    "tie_embeddings": Field((True,), (True,), FOLDER),  # the mapping writes one embedding for both
+    "value_embeds": Field((0,), (0,), FOLDER),
+    "skips": Field(("none",), ("none",), FOLDER),
     "activation_checkpointing": Field(ANY, ANY, FREE),
     "loss_chunk": Field(ANY, ANY, FREE),
     "init_from": Field(ANY, ANY, FREE),
@@ -85,16 +91,22 @@ def holds(rule, cfg: ModelConfig, key: str) -> bool:
     return getattr(cfg, key) in rule
 
 
+# The recipe's switches (docs/RECIPE.md) as both families have them: off.
+PLAIN = dict(qk_norm=False, logit_softcap=None, tie_embeddings=True, value_embeds=0, skips="none")
+
+
 def describe_family(family: Family) -> str:
-    """``GPT-2 (norm=layernorm pos=learned gate=none mlp=gelu n_kv_head=n_head)``, from FIELDS."""
-    rules = [(key, getattr(field, family.key)) for key, field in FIELDS.items() if getattr(field, family.key) != ANY]
+    """``GPT-2 (norm=layernorm pos=learned gate=none mlp=gelu n_kv_head=n_head)``, from FIELDS (the
+    recipe's switches, off in both, left out)."""
+    rules = [(key, getattr(field, family.key)) for key, field in FIELDS.items()
+             if getattr(field, family.key) != ANY and key not in PLAIN]
     rules.sort(key=lambda rule: rule[1] == MULTI_HEAD)  # the choices first
     return f"{family.name} ({' '.join(rule if rule == MULTI_HEAD else f'{key}={rule[0]}' for key, rule in rules)})"
 
 
 def exportable() -> str:
-    return (f"Hugging Face export takes {' or '.join(describe_family(f) for f in FAMILIES)} models with no "
-            "attention.window")
+    return (f"Hugging Face export takes {' or '.join(describe_family(f) for f in FAMILIES)} models with the "
+            "recipe's switches off and no attention.window")
 
 
 def export_family(cfg: ModelConfig, window: Optional[int]) -> Family:
@@ -232,7 +244,7 @@ def fields_from_hf(config: dict, where: str) -> Tuple[Family, dict]:
         fields = dict(n_layer=config.get("n_layer", 12), n_head=config.get("n_head", 12), n_kv_head=None,
                       n_embd=n_embd, block_size=config.get("n_positions", 1024),
                       vocab_size=config.get("vocab_size", 50257),
-                      bias=True, norm="layernorm", pos="learned", gate="none", mlp="gelu")
+                      bias=True, norm="layernorm", pos="learned", gate="none", mlp="gelu", **PLAIN)
         wanted = {"activation_function": (config.get("activation_function", "gelu_new"), GPT2_ACTIVATIONS),
                   "n_inner": (config.get("n_inner"), (None, 4 * n_embd)),
                   "layer_norm_epsilon": (config.get("layer_norm_epsilon", 1e-5), (NORM_EPS,)),
@@ -247,7 +259,7 @@ def fields_from_hf(config: dict, where: str) -> Tuple[Family, dict]:
         fields = dict(n_layer=config.get("num_hidden_layers", 32), n_head=heads, n_kv_head=None if kv == heads else kv,
                       n_embd=n_embd, block_size=config.get("max_position_embeddings", 2048),
                       vocab_size=config.get("vocab_size", 32000), bias=bias, norm="rmsnorm", pos="rope", gate="none",
-                      mlp="swiglu")
+                      mlp="swiglu", **PLAIN)
         rope = config.get("rope_parameters") or {}  # transformers 5; before it rope_theta and rope_scaling
         scaling = config.get("rope_scaling") or rope
         wanted = {"hidden_act": (config.get("hidden_act", "silu"), ("silu",)),

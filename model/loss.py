@@ -8,21 +8,28 @@ cost in FLOPs is unchanged; memory holds one chunk of logits instead of all of t
 chunk's loss and gradient come from one Triton kernel that overwrites the logits with their
 gradient (kernels/cross_entropy); elsewhere from PyTorch. When nothing needs a gradient (evaluation
 under torch.no_grad, generation) only the logits and the loss are computed: one matmul of three.
+
+With model.logit_softcap = s, every logit x counts as s * tanh(x / s) (``capped_logits``): the kernel
+and the PyTorch path cap as they read and put the cap's derivative into the gradient they return.
 """
+from typing import Optional
+
 import torch
 
-from kernels.cross_entropy import fused_cross_entropy_available, softmax_cross_entropy_
+from kernels.cross_entropy import capped_logits, fused_cross_entropy_available, softmax_cross_entropy_
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean_i CE(h_i @ W^T, y_i) with the gradients computed in the forward pass.
 
-    h: (N, C) hidden states; weight: (V, C); targets: (N,) int64. Saved for backward: dh (N, C) and
-    dW (V, C, fp32 or fp64) for a unit upstream gradient, scaled in ``backward``.
+    h: (N, C) hidden states; weight: (V, C); targets: (N,) int64; softcap: None or the cap s of the
+    logits. Saved for backward: dh (N, C) and dW (V, C, fp32 or fp64) for a unit upstream gradient,
+    scaled in ``backward``.
     """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                softcap: Optional[float]) -> torch.Tensor:
         N = h.shape[0]
         compute_dtype, acc_dtype = loss_dtypes(h)
         w = weight.to(compute_dtype)
@@ -34,10 +41,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             y_c = targets[start:start + chunk]
             logits = h_c @ w.t()  # (n, V) in the compute dtype
             if fused_cross_entropy_available(logits):
-                loss += softmax_cross_entropy_(logits, y_c).sum()  # logits now hold their gradient
+                loss += softmax_cross_entropy_(logits, y_c, softcap).sum()  # logits now hold their gradient
                 grad = logits
             else:
-                row_loss, grad = cross_entropy_and_grad(logits, y_c, acc_dtype)
+                row_loss, grad = cross_entropy_and_grad(logits, y_c, acc_dtype, softcap)
                 loss += row_loss.sum()
             dh[start:start + chunk] = (grad @ w).to(h.dtype)
             dw += (grad.t() @ h_c).to(acc_dtype)
@@ -50,7 +57,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         dh, dw = ctx.saved_tensors
         scale = grad_loss / ctx.n
-        return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None
+        return dh * scale.to(dh.dtype), (dw * scale).to(ctx.weight_dtype), None, None, None
 
 
 def loss_dtypes(h: torch.Tensor):
@@ -59,7 +66,8 @@ def loss_dtypes(h: torch.Tensor):
     return compute_dtype, torch.promote_types(compute_dtype, torch.float32)
 
 
-def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                 softcap: Optional[float] = None) -> torch.Tensor:
     """The forward of ChunkedLinearCrossEntropy without its gradients (evaluation, generation): one
     matmul per chunk instead of three. Same shapes and the same value."""
     compute_dtype, acc_dtype = loss_dtypes(h)
@@ -69,22 +77,28 @@ def chunked_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
         y_c = targets[start:start + chunk]
         logits = h[start:start + chunk].to(compute_dtype) @ w.t()
         if fused_cross_entropy_available(logits):
-            loss += softmax_cross_entropy_(logits, y_c).sum()  # one pass; the gradient it leaves in logits is dropped
+            loss += softmax_cross_entropy_(logits, y_c, softcap).sum()  # one pass; the gradient it leaves is dropped
         else:
-            loss += cross_entropy_rows(logits, y_c, acc_dtype)[0].sum()
+            loss += cross_entropy_rows(capped_logits(logits.to(acc_dtype), softcap), y_c)[0].sum()
     return loss / h.shape[0]
 
 
-def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype):
-    """(row losses, row log-sum-exps) of logits: (n, V), both (n,) in acc_dtype."""
-    lse = torch.logsumexp(logits.to(acc_dtype), dim=-1)
-    return lse - logits.gather(1, targets[:, None]).squeeze(1).to(acc_dtype), lse
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor):
+    """(row losses, row log-sum-exps) of logits: (n, V), both (n,) in logits' dtype."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse - logits.gather(1, targets[:, None]).squeeze(1), lse
 
 
-def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype):
-    """PyTorch version of the kernel: (row losses in acc_dtype, softmax - onehot in logits' dtype)."""
-    row_loss, lse = cross_entropy_rows(logits, targets, acc_dtype)
-    grad = torch.exp(logits.to(acc_dtype) - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
+def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype,
+                           softcap: Optional[float] = None):
+    """PyTorch version of the kernel: (row losses in acc_dtype, d loss / d logits in logits' dtype):
+    softmax - onehot, times the cap's derivative 1 - tanh(x / s)^2 with a soft-cap s."""
+    capped = capped_logits(logits.to(acc_dtype), softcap)
+    row_loss, lse = cross_entropy_rows(capped, targets)
+    grad = torch.exp(capped - lse[:, None])  # softmax: d(sum CE)/d logits = softmax - onehot
+    if softcap is not None:
+        one_hot = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+        return row_loss, ((grad - one_hot.to(acc_dtype)) * (1 - (capped / softcap).square())).to(logits.dtype)
     if torch.compiler.is_compiling():
         # A pointwise one-hot fuses with the exp and the cast into one kernel: no (n, V) fp32 buffer is
         # written (an in-place scatter would make the compiler materialise grad in fp32 first).
@@ -95,13 +109,14 @@ def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor, acc_dtyp
     return row_loss, grad.scatter_add_(1, targets[:, None], minus_one).to(logits.dtype)
 
 
-def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096,
+            softcap: Optional[float] = None) -> torch.Tensor:
     """Mean next-token cross-entropy of hidden states h: (B, T, C) under head ``weight``: (V, C).
 
-    targets: (B, T). Equal (up to rounding) to F.cross_entropy(h @ weight.T, targets). The gradients are
-    computed with the loss only when autograd will want them.
+    targets: (B, T). Equal (up to rounding) to F.cross_entropy(capped_logits(h @ weight.T, softcap),
+    targets). The gradients are computed with the loss only when autograd will want them.
     """
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk)
-    return chunked_loss(h, weight, targets, chunk)
+        return ChunkedLinearCrossEntropy.apply(h, weight, targets, chunk, softcap)
+    return chunked_loss(h, weight, targets, chunk, softcap)

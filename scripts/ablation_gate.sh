@@ -21,16 +21,7 @@ WORK=${WORK:-$(mktemp -d)}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 SWEEP=(experiment=fox_ablation model.gate=none,forget model.pos=learned,rope,none)
-STATUS=()
-
-step() {  # step NAME SECONDS LOG COMMAND...: run COMMAND under a time limit, its output into LOG
-    local name=$1 limit=$2 log=$3
-    shift 3
-    echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" >"$log" 2>&1
-    local rc=$?
-    [ "$rc" -eq 0 ] || STATUS+=("$name failed with status $rc$([ "$rc" -eq 124 ] && echo " (out of time)"); see $(basename "$log")")
-}
+source scripts/ablation_common.sh
 
 step training "${TRAIN_TIMEOUT:-400}" "$OUT/train.log" \
     "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" "$@"
@@ -39,16 +30,13 @@ step "length test" "${EVAL_TIMEOUT:-120}" "$OUT/eval.log" \
 step plots "${PLOT_TIMEOUT:-60}" "$WORK/plots.log" \
     "$PYTHON" scripts/compare_runs.py "$WORK/multirun" --out "$WORK/compare"
 
-for f in "$WORK"/multirun/*/metrics.jsonl; do
-    [ -f "$f" ] && sed "s/^{/{\"run\": \"$(basename "$(dirname "$f")")\", /" "$f"
-done >"$OUT/metrics.jsonl"
+tagged_records "$WORK/multirun" >"$OUT/metrics.jsonl"
 cp "$WORK"/length/length.json "$WORK"/compare/loss_vs_step.png "$WORK"/compare/loss_vs_time.png "$OUT"/ 2>/dev/null
 
 {
     echo "# Forget gate ablation (experiment=fox_ablation)"
     echo
-    "$PYTHON" -c 'import json, torch; from scripts.bench_common import environment
-d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" for k, v in environment(torch.device(d)).items()))'
+    environment_line
     echo
     echo "Command: \`python train.py -m ${SWEEP[*]} $*\`, then \`python scripts/eval_length.py <multirun> --factors 1 2\`."
     echo "Final val loss: the run's last evaluation; tokens/s: the median of its log records after the first;"
@@ -57,7 +45,7 @@ d = "cuda" if torch.cuda.is_available() else "cpu"; print(", ".join(f"{k} {v}" f
     if [ -f "$WORK/length/length.md" ]; then cat "$WORK/length/length.md"; else echo "(no length table: see eval.log)"; fi
     echo
     echo "![loss against step](loss_vs_step.png)"
-    for line in "${STATUS[@]+"${STATUS[@]}"}"; do echo; echo "**$line**"; done
+    status_lines
 } >"$OUT/ablation.md"
 cat "$OUT/ablation.md"
 ls "$OUT"

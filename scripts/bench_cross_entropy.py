@@ -52,7 +52,7 @@ def bench_case(n: int, V: int, dtype: torch.dtype) -> list[tuple[str, float]]:
     compiled = torch.compile(cross_entropy_and_grad)
     rows = []
     for block_v, warps in SWEEP:
-        ms = time_ms(lambda: softmax_xent_launch(buf, targets, block_v, warps), buf, fresh)
+        ms = time_ms(lambda: softmax_xent_launch(buf, targets, block_v=block_v, num_warps=warps), buf, fresh)
         default = " (default)" if (block_v, warps) == (BLOCK_V, NUM_WARPS) else ""
         rows.append((f"kernel BLOCK_V={block_v}, {warps} warps{default}", ms))
     rows.append(("PyTorch, torch.compile", time_ms(lambda: compiled(buf, targets, torch.float32), buf, fresh)))

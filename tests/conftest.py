@@ -40,22 +40,29 @@ def tiny_config(cache_dir: str, **trainer) -> TrainConfig:
     )
 
 
+# Every model switch of the small-GPT recipe (docs/RECIPE.md), on, for a model of at least 2 layers.
+RECIPE = dict(qk_norm=True, mlp="relu2", zero_init=True, logit_softcap=15.0, tie_embeddings=False, value_embeds=1,
+              skips="unet", pos="rope", norm="rmsnorm")
+
+
 def device_for(backend: str) -> str:
     """Where a test runs ``backend``: flash on the GPU when there is one (it runs on CUDA tensors only;
     without a GPU, on the CPU under Triton's interpreter), every other backend on the CPU."""
     return "cuda" if backend == "flash" and torch.cuda.is_available() else "cpu"
 
 
-def check_a_short_run_learns(tmp_path, data_cache, backend: str, steps: int, batch: int, drop: float, **model) -> None:
-    """Train the tiny model ``steps`` steps of ``batch`` sequences with ``backend`` (strict) and the
-    ``model`` settings (dropout 0 unless given): every loss finite, and the last below the first by
-    more than ``drop``."""
+def check_a_short_run_learns(tmp_path, data_cache, backend: str, steps: int, batch: int, drop: float,
+                             optim: str = "adamw", **model) -> None:
+    """Train the tiny model ``steps`` steps of ``batch`` sequences with ``backend`` (strict), optimizer
+    ``optim`` and the ``model`` settings (dropout 0 unless given): every loss finite, and the last below
+    the first by more than ``drop``."""
     from training.config import validate
     from training.loop import train
 
     cfg = tiny_config(data_cache, max_steps=steps, batch_size=batch, log_interval=1, eval_interval=steps, eval_iters=1,
                       device=device_for(backend))
     cfg.model = dataclasses.replace(cfg.model, **{"dropout": 0.0, **model})
+    cfg.optim.name = optim
     cfg.attention.name, cfg.attention.strict = backend, True
     validate(cfg)
     summary = train(cfg, tmp_path)

@@ -108,17 +108,17 @@ def test_more_wrong_inputs_fail_with_one_clear_line(tmp_path, make_args, message
 OVERRIDE_CASES = [  # checked before Hydra runs: in-process, no subprocess needed
     pytest.param(["optim.betas=0.9"], "optim.betas=0.9 has the wrong type: it takes a list", id="list-given-number"),
     pytest.param(["model.n_layer=1.5"], "model.n_layer=1.5 has the wrong type: it takes an integer", id="int-given-float"),
-    pytest.param(["trainer.compile=maybe"], "trainer.compile=maybe has the wrong type: it takes true or false", id="bool-given-word"),
+    pytest.param(["trainer.keep_best=maybe"], "trainer.keep_best=maybe has the wrong type: it takes true or false", id="bool-given-word"),
     pytest.param(["trainer.max_steps=null"], "trainer.max_steps cannot be null", id="null-int"),
     pytest.param(["data.path=__import__('os').system('x')"], "cannot parse the overrides", id="python-in-a-value"),
-    pytest.param(["optim=sgd"], "optim=sgd is not a config; choose one of: adamw", id="unknown-optimizer"),
+    pytest.param(["optim=sgd"], "optim=sgd is not a config; choose one of: adamw, muon", id="unknown-optimizer"),
     pytest.param(["logger=tensorboard"], "logger=tensorboard is not a config; choose one of: default, wandb", id="unknown-logger"),
     pytest.param(["-m", "attention=naive,flsh"], "attention=flsh is not a config", id="unknown-choice-in-a-sweep"),
     pytest.param(["+trainer.lr=1"], "trainer has no key 'lr'", id="appended-unknown-key"),
     pytest.param(["~model.n_layer"], "~model.n_layer: options of the schema cannot be removed; set a value instead", id="delete-a-schema-key"),
     pytest.param(["-m", "trainer.max_steps=3,abc"], "trainer.max_steps=abc has the wrong type: it takes an integer", id="int-sweep-given-text"),
     pytest.param(["-m", "optim.lr=1e-3,fast"], "optim.lr=fast has the wrong type: it takes a number", id="float-sweep-given-text"),
-    pytest.param(["-m", "trainer.compile=range(0,2)"], "trainer.compile=0 has the wrong type: it takes true or false", id="bool-sweep-given-range"),
+    pytest.param(["-m", "trainer.keep_best=range(0,2)"], "trainer.keep_best=0 has the wrong type: it takes true or false", id="bool-sweep-given-range"),
 ]
 
 
@@ -158,6 +158,16 @@ VALIDATION_CASES = [  # values the schema accepts but validate() must reject
     pytest.param("optim", "eps", -1.0, "optim.eps=-1.0 must be a positive number", id="negative-eps"),
     pytest.param("trainer", "seed", -1, "trainer.seed=-1 must be >= 0", id="negative-seed"),
     pytest.param("trainer", "seed", 2**64, f"trainer.seed={2**64} must be below 2**64", id="huge-seed"),
+    pytest.param("trainer", "compile", "maybe", "trainer.compile='maybe' must be true, false or blocks", id="compile-word"),
+    pytest.param("model", "mlp", "relu", "model.mlp='relu' is not one of gelu, swiglu, relu2", id="unknown-mlp"),
+    pytest.param("model", "skips", "dense", "model.skips='dense' is not one of none, unet", id="unknown-skips"),
+    pytest.param("model", "logit_softcap", 0.0, "model.logit_softcap=0.0 must be a positive number", id="zero-softcap"),
+    pytest.param("model", "value_embeds", 2, "model.value_embeds=2 must be between 0 (none) and n_layer/2 = 1", id="ve-too-many"),
+    pytest.param("optim", "name", "sgd", "optim='sgd' is not one of adamw, muon", id="unknown-optimizer-by-key"),
+    pytest.param("optim", "muon_momentum", 1.0, "optim.muon_momentum=1.0 must be in [0, 1)", id="muon-momentum"),
+    pytest.param("optim", "muon_coefficients", "cubic", "optim.muon_coefficients='cubic' is not one of polar_express, "
+                 "jordan", id="muon-coefficients"),
+    pytest.param("optim", "head_lr", -1.0, "optim.head_lr=-1.0 must be a positive number", id="negative-head-lr"),
 ]
 
 

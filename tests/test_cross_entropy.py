@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_ref, softmax_xent_launch
+from kernels.cross_entropy import capped_logits, softmax_cross_entropy_, softmax_cross_entropy_ref, softmax_xent_launch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -22,9 +22,9 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 GRAD_TOL = {torch.float32: (0.0, 1e-6), torch.float16: (2 ** -10, 1e-6), torch.bfloat16: (2 ** -7, 1e-6)}
 
 
-def run_kernel(logits, targets, **launch):
+def run_kernel(logits, targets, softcap=None, **launch):
     grad = logits.clone()
-    loss = softmax_xent_launch(grad, targets, **launch) if launch else softmax_cross_entropy_(grad, targets)
+    loss = softmax_xent_launch(grad, targets, softcap, **launch) if launch else softmax_cross_entropy_(grad, targets, softcap)
     return loss, grad
 
 
@@ -35,9 +35,9 @@ def random_case(n, V, dtype, scale=3.0, seed=0):
     return logits, targets
 
 
-def assert_matches_reference(logits, targets, **launch):
-    loss, grad = run_kernel(logits, targets, **launch)
-    ref_loss, ref_grad = softmax_cross_entropy_ref(logits, targets)
+def assert_matches_reference(logits, targets, softcap=None, **launch):
+    loss, grad = run_kernel(logits, targets, softcap, **launch)
+    ref_loss, ref_grad = softmax_cross_entropy_ref(logits, targets, softcap)
     torch.testing.assert_close(loss, ref_loss, rtol=2e-6, atol=2e-6)
     assert grad.dtype == logits.dtype
     rtol, atol = GRAD_TOL[logits.dtype]
@@ -48,6 +48,24 @@ def assert_matches_reference(logits, targets, **launch):
 @pytest.mark.parametrize("n, V", [(1, 1), (3, 5), (17, 127), (3, 1000), (2, 4099)])
 def test_kernel_matches_the_reference(n, V, dtype):
     assert_matches_reference(*random_case(n, V, dtype, seed=n * V))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [15.0, 2.0])
+def test_the_soft_capped_kernel_matches_the_reference(dtype, softcap):
+    """model.logit_softcap inside the kernel: the loss of s * tanh(x / s) and its gradient with respect
+    to the raw logits x, against the reference's autograd (logits up to 8x the cap of 2)."""
+    assert_matches_reference(*random_case(17, 127, dtype, scale=5.0, seed=7), softcap=softcap)
+
+
+def test_a_soft_cap_over_several_tiles_and_extreme_logits():
+    logits, targets = random_case(3, 20000, torch.float32, scale=30.0)
+    assert_matches_reference(logits, targets, softcap=15.0, block_v=4096, num_warps=8)
+    extreme = torch.tensor([[1e4, -1e4, 0.0, 5.0], [-1e4] * 4, [30.0, 30.0, -30.0, 80.0]], device=DEVICE)
+    y = torch.tensor([0, 2, 3], device=DEVICE)
+    loss, grad = run_kernel(extreme, y, 15.0)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert_matches_reference(extreme, y, softcap=15.0)
 
 
 def test_several_tiles_per_row_and_other_launch_shapes():
@@ -82,10 +100,11 @@ def test_rows_with_a_stride_are_read_and_written_in_place():
     (torch.zeros(3, 2).t(), torch.zeros(2, dtype=torch.long), "contiguous along the vocabulary"),
     (torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), "targets must be \\(2,\\) int64"),
     (torch.zeros(2, 3), torch.zeros(2, dtype=torch.int32), "targets must be \\(2,\\) int64"),
+    (torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), "softcap must be positive or None; got 0.0"),
 ])
 def test_bad_inputs_are_refused_with_what_was_expected(logits, targets, message):
     with pytest.raises(ValueError, match=message):
-        softmax_cross_entropy_(logits, targets)
+        softmax_cross_entropy_(logits, targets, 0.0 if "softcap" in message else None)
 
 
 def loss_and_grads(loss_fn, h, w, y, autocast=False):
@@ -111,14 +130,31 @@ def lm_case(seed=0, V=300):
     return h, w, torch.randint(0, V, (2, 24), generator=gen, device=DEVICE)
 
 
-def test_lm_loss_through_the_kernel_equals_cross_entropy_with_gradients(kernel_in_the_loss):
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_lm_loss_through_the_kernel_equals_cross_entropy_with_gradients(kernel_in_the_loss, softcap):
     from model.loss import lm_loss
 
     h, w, y = lm_case()
-    got = loss_and_grads(lambda h, w, y: lm_loss(h, w, y, chunk=20), h, w, y)
-    want = loss_and_grads(lambda h, w, y: F.cross_entropy((h @ w.T).view(-1, w.shape[0]), y.view(-1)), h, w, y)
+    got = loss_and_grads(lambda h, w, y: lm_loss(h, w, y, chunk=20, softcap=softcap), h, w, y)
+    want = loss_and_grads(lambda h, w, y: F.cross_entropy(capped_logits(h @ w.T, softcap).view(-1, w.shape[0]), y.view(-1)),
+                          h, w, y)
     for mine, ref in zip(got, want):
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_pytorch_path_caps_like_the_kernel():
+    """model/loss.py's own path (CPU, or no Triton): loss, gradients and the no-gradient evaluation of
+    the capped logits, in float64 (the path is the same under torch.compile with a cap)."""
+    from model.loss import lm_loss
+
+    h, w, y = (t.double() if t.is_floating_point() else t for t in lm_case(seed=3))
+    got = loss_and_grads(lambda h, w, y: lm_loss(h, w, y, chunk=20, softcap=2.0), h, w, y)
+    want = loss_and_grads(lambda h, w, y: F.cross_entropy(capped_logits(h @ w.T, 2.0).view(-1, w.shape[0]), y.view(-1)),
+                          h, w, y)
+    for mine, ref in zip(got, want):
+        torch.testing.assert_close(mine, ref, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_loss(h, w, y, chunk=20, softcap=2.0), want[0], rtol=1e-10, atol=1e-12)
 
 
 def test_lm_loss_through_the_kernel_compiles_without_graph_break(kernel_in_the_loss):
@@ -139,9 +175,10 @@ def test_lm_loss_through_the_kernel_compiles_without_graph_break(kernel_in_the_l
 
 
 @needs_cuda
+@pytest.mark.parametrize("softcap", [None, 15.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpt2_sized_chunk_on_the_gpu(dtype):
-    assert_matches_reference(*random_case(4096, 50304, dtype, scale=2.0))
+def test_gpt2_sized_chunk_on_the_gpu(dtype, softcap):
+    assert_matches_reference(*random_case(4096, 50304, dtype, scale=2.0), softcap=softcap)
 
 
 @needs_cuda

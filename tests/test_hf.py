@@ -146,7 +146,7 @@ def test_a_sharded_checkpoint_exports_the_same_weights(exported, tmp_path):
     (dict(gate="forget"), None, "cannot export model.gate=forget: a model.pos=learned model exports as GPT-2"),
     (dict(pos="none"), None, "cannot export model.pos=none: Hugging Face export takes GPT-2 (norm=layernorm "
                              "pos=learned gate=none mlp=gelu n_kv_head=n_head) or Llama (norm=rmsnorm pos=rope "
-                             "gate=none mlp=swiglu) models with no attention.window"),
+                             "gate=none mlp=swiglu) models with the recipe's switches off and no attention.window"),
     (dict(mlp="swiglu"), None, "cannot export model.mlp=swiglu: a model.pos=learned model exports as GPT-2 "
                                "(GPT2LMHeadModel), which needs model.mlp=gelu"),
     (dict(n_kv_head=2), None, "cannot export model.n_kv_head=2: a model.pos=learned model exports as GPT-2 "
@@ -154,7 +154,12 @@ def test_a_sharded_checkpoint_exports_the_same_weights(exported, tmp_path):
     (dict(pos="rope", norm="layernorm", mlp="swiglu"), None, "cannot export model.norm=layernorm: a model.pos=rope "
                                                              "model exports as Llama (LlamaForCausalLM)"),
     ({}, 16, "cannot export attention.window=16: neither GPT-2 nor Llama has a sliding window"),
-], ids=["forget-gate", "no-positions", "learned-swiglu", "gqa-gpt2", "rope-layernorm", "window"])
+    (dict(qk_norm=True), None, "cannot export model.qk_norm=True: a model.pos=learned model exports as GPT-2"),
+    (dict(pos="rope", norm="rmsnorm", mlp="swiglu", tie_embeddings=False), None,
+     "cannot export model.tie_embeddings=False: a model.pos=rope model exports as Llama"),
+    (dict(mlp="relu2"), None, "cannot export model.mlp=relu2: a model.pos=learned model exports as GPT-2"),
+], ids=["forget-gate", "no-positions", "learned-swiglu", "gqa-gpt2", "rope-layernorm", "window", "qk-norm",
+        "untied-llama", "relu2"])
 def test_what_neither_family_holds_is_refused_in_one_line(options, window, message):
     with pytest.raises(UserError) as err:
         export_family(dataclasses.replace(ModelConfig(n_head=4, n_embd=64), **options), window)

@@ -31,6 +31,12 @@ KINDS: Dict[str, str] = {
     "model.pos": SHAPE,
     "model.gate": SHAPE,
     "model.mlp": SHAPE,
+    "model.tie_embeddings": SHAPE,  # an untied head is a weight of its own
+    "model.value_embeds": SHAPE,  # tables of their own
+    "model.skips": SHAPE,  # weights of their own
+    "model.qk_norm": MEANING,
+    "model.logit_softcap": MEANING,
+    "model.zero_init": MEANING,  # the weights the run started from
     "model.dropout": MEANING,
     "model.attention_dropout": MEANING,
     "model.gate_bias_init": MEANING,  # the weights the run started from
@@ -58,7 +64,17 @@ KINDS: Dict[str, str] = {
     "trainer.batch_size": ORDER,
     "trainer.grad_accum": ORDER,
     "trainer.seed": ORDER,
+    "optim.name": FREE,  # another optimizer's state is refused on its own (training/checkpoint.py: check_optimizer)
     "optim.lr": FREE,
+    "optim.head_lr": FREE,  # set or null, they group the parameters: checked with the optimizer's state
+    "optim.embed_lr": FREE,
+    "optim.scalar_lr": FREE,
+    "optim.muon_lr": FREE,
+    "optim.muon_momentum": FREE,
+    "optim.muon_weight_decay": FREE,
+    "optim.muon_cautious": FREE,
+    "optim.muon_coefficients": FREE,
+    "optim.muon_lr_scale": FREE,
     "optim.min_lr": FREE,
     "optim.weight_decay": FREE,
     "optim.betas": FREE,
@@ -99,13 +115,15 @@ Change = Tuple[str, object, object]  # (option, the checkpoint's value, this run
 MISSING = object()
 
 
-def compare(saved: dict, now: dict) -> Dict[str, List[Change]]:
+def compare(saved: dict, now: dict, defaults: dict) -> Dict[str, List[Change]]:
     """{kind: [(option, saved value, this run's value)]} of the options that differ between two configs
     (nested dicts as checkpoints hold them), in the order of KINDS. An option the saved config lacks (a
-    checkpoint made before it existed) counts as unchanged."""
+    checkpoint made before it existed) had its value in ``defaults`` (the schema's)."""
     found = {kind: [] for kind in (SHAPE, MEANING, ORDER, FREE)}
     for option, kind in KINDS.items():
         theirs, mine = lookup(saved, option), lookup(now, option)
+        if theirs is MISSING:
+            theirs = lookup(defaults, option)
         if theirs is not MISSING and theirs != mine:
             found[kind].append((option, theirs, mine))
     return found

@@ -48,11 +48,13 @@ from errors import UserError
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training import distributed
 from training.changes import MEANING, ORDER, SHAPE, compare, listed
+from training.config import TrainConfig
 from training.errors import NonFiniteState
-from training.optim import plain_state_dict
+from training.optim import plain_state_dict, settings_kept
 from training.signals import temporary
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+LR_ROLES = ("head_lr", "embed_lr", "scalar_lr")  # optim options that, set, give their parameters a group
 META = "meta.pt"
 BEST = "best.pt"
 
@@ -138,7 +140,8 @@ def load_sharded_checkpoint(path: Path, model, optimizer) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    with settings_kept(optimizer):
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def load_into_plain_model(path: Path, state: dict, model) -> None:
@@ -565,6 +568,7 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
     if resume != "auto":
         check_newer(path, state["step"], run_dir, ranks.is_main)
     changes = check_changes(path, state, config, model.cfg, lineage, ranks.is_main, loader.world_size)
+    check_optimizer(path, state, config)
     check_lineage(path, state, lineage, ranks.is_main, data_changed=any(k.startswith("data.") for k, _, _ in changes))
     check_layout(path, state, ranks)
     validate_checkpoint(path, state, model, optimizer)
@@ -574,7 +578,8 @@ def restore(resume: str, run_dir: Path, model, optimizer, scaler, loader, device
             raise UserError(f"checkpoint {path} cannot be used: its weights or optimizer state hold NaN or infinity")
     else:
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        with settings_kept(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
     if state["scaler"]:  # empty when saved without loss scaling (bf16, fp32): a fp16 run then starts its own
         scaler.load_state_dict(state["scaler"])
     loader.load_state_dict(state["loader"])
@@ -592,7 +597,7 @@ def check_changes(path: Path, state: dict, config: dict, model_cfg: ModelConfig,
     saved, now = _comparable(state["config"], saved_vocab_size(state)), _comparable(config, model_cfg.vocab_size)
     if "corpus" in state and state["corpus"]["digest"] == lineage["corpus"]["digest"]:
         now["data"]["path"] = saved.get("data", {}).get("path")  # the same text, wherever it lies now
-    changes = compare(saved, now)
+    changes = compare(saved, now, schema_defaults())
     if state["loader"].get("ranks", data_ranks) != data_ranks:  # the global batch is split over them
         changes[ORDER].append(("data-parallel ranks", state["loader"]["ranks"], data_ranks))
     if changes[SHAPE]:
@@ -612,6 +617,11 @@ def check_changes(path: Path, state: dict, config: dict, model_cfg: ModelConfig,
     return changes[MEANING] + changes[ORDER]
 
 
+def schema_defaults() -> dict:
+    """Every option's default (training/config.py), as a checkpoint's config holds them."""
+    return dataclasses.asdict(TrainConfig())
+
+
 def _comparable(config: dict, vocab_size: int) -> dict:
     """A copy of a config dict with what compares by effect filled in: the resolved vocabulary, and
     n_kv_head null as the n_head it means."""
@@ -621,6 +631,23 @@ def _comparable(config: dict, vocab_size: int) -> dict:
     if model.get("n_kv_head") is None and "n_head" in model:
         model["n_kv_head"] = model["n_head"]
     return config
+
+
+def check_optimizer(path: Path, state: dict, config: dict) -> None:
+    """A checkpoint resumes only the optimizer it was made with, its parameters grouped alike: the
+    roles whose learning rates are set (optim.head_lr, embed_lr, scalar_lr; null: optim.lr) have groups
+    of their own. A key the checkpoint's config lacks predates the option: it was made with the default."""
+    saved, mine = state["config"].get("optim", {}), config["optim"]
+    theirs = saved.get("name", "adamw")
+    if theirs != mine["name"]:
+        made = f"optim={theirs}"
+    elif any((saved.get(role) is None) != (mine[role] is None) for role in LR_ROLES):
+        made = "its parameters in other optimizer groups"
+    else:
+        return
+    raise UserError(f"checkpoint {path} was made with {made}; resume with the optimizer settings it was made with "
+                    f"(optim={theirs}, and optim.head_lr, embed_lr, scalar_lr set or null alike), or start fresh with "
+                    "trainer.resume=none (or another hydra.run.dir)")
 
 
 def check_newer(path: Path, step: int, run_dir: Path, is_main: bool) -> None:

@@ -18,8 +18,10 @@ from model.attention import check_options, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
+from training.muon import COEFFICIENTS, LR_SCALES
 from training.profiling import WARMUP_STEPS
 
+OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
 RESUME_CHANGES = ("refuse", "allow")
 DEVICES = ("auto", "cpu", "cuda")
@@ -30,21 +32,31 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    name: str = "adamw"  # adamw | muon: Muon for the blocks' weight matrices, AdamW for the rest (training/muon.py)
+    lr: float = 1e-3  # AdamW's; the schedule's shape (warmup, decay to min_lr / lr) applies to every group
     min_lr: float = 1e-4
-    weight_decay: float = 0.1  # on matmul weights only; norms, biases and embeddings decay-free
+    weight_decay: float = 0.1  # AdamW, on matmul weights only; norms, biases and embeddings decay-free
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_steps: int = 100
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant
     decay_fraction: float = 0.2  # wsd: share of the steps spent decaying to min_lr
+    head_lr: Optional[float] = None  # AdamW lr of the head (and of the token embedding tied to it); null: lr
+    embed_lr: Optional[float] = None  # of the tables only looked up: untied token embedding, positions, value embeddings; null: lr
+    scalar_lr: Optional[float] = None  # of norms, biases, gates, value-mix and skip weights; null: lr
+    muon_lr: float = 0.02  # optim=muon: the blocks' weight matrices
+    muon_momentum: float = 0.95  # Nesterov
+    muon_weight_decay: float = 0.0  # decoupled: each step multiplies a matrix by 1 - lr * muon_weight_decay
+    muon_cautious: bool = True  # decay a weight only where the update moves it toward zero (modded-nanogpt)
+    muon_coefficients: str = "polar_express"  # polar_express (modded-nanogpt) | jordan (torch.optim.Muon)
+    muon_lr_scale: str = "shape"  # shape: lr x sqrt(max(1, rows/cols)) | rms: lr x 0.2 sqrt(max(rows, cols))
 
 
 @dataclass
 class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
-    compile: bool = False
+    compile: Any = False  # true: the whole model one graph | blocks: each block (one graph shared, compiled once) | false
     cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
     max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
@@ -104,8 +116,21 @@ def validate(cfg: TrainConfig) -> None:
         check_options(cfg.attention.name, {"g": f"model.gate={cfg.model.gate}"})
     validate_data(cfg.data)
     o, t = cfg.optim, cfg.trainer
+    check_choice("optim", o.name, OPTIMIZERS)
     check_choice("optim.schedule", o.schedule, SCHEDULES)
     check_positive("optim.lr", o.lr)
+    for key in ("head_lr", "embed_lr", "scalar_lr"):
+        if getattr(o, key) is not None:
+            check_positive(f"optim.{key}", getattr(o, key))
+    check_positive("optim.muon_lr", o.muon_lr)
+    check_positive("optim.muon_weight_decay", o.muon_weight_decay, allow_zero=True)
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise UserError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
+    check_choice("optim.muon_coefficients", o.muon_coefficients, tuple(COEFFICIENTS))
+    check_choice("optim.muon_lr_scale", o.muon_lr_scale, LR_SCALES)
+    if o.name == "muon" and t.distributed == "fsdp":
+        raise UserError("optim=muon orthogonalises whole weight matrices, which trainer.distributed=fsdp splits over "
+                        "the ranks; use trainer.distributed=ddp (or optim=adamw)")
     check_positive("optim.min_lr", o.min_lr, allow_zero=True)
     check_positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     check_positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
@@ -124,6 +149,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UserError(f"trainer.batch_size={t.batch_size!r} must be a positive integer or auto")
     if not (isinstance(t.cuda_graph, bool) or t.cuda_graph == "auto"):
         raise UserError(f"trainer.cuda_graph={t.cuda_graph!r} must be true, false or auto")
+    if not (isinstance(t.compile, bool) or t.compile == "blocks"):
+        raise UserError(f"trainer.compile={t.compile!r} must be true, false or blocks")
     if t.vram_budget_gb is not None:
         check_positive("trainer.vram_budget_gb", t.vram_budget_gb)
     for key in ("max_steps", "grad_accum", "eval_interval", "eval_iters",

@@ -16,9 +16,10 @@ from training.checkpoint import list_checkpoints, rng_state
 from training.config import TrainConfig
 from training.errors import Interrupted, NonFiniteState, OutOfMemory, kept_text, memory_exhausted
 from training.health import LossWatch
+from training.metrics import StartupClock
 from training.optim import lr_at, set_lr
 from training.precision import resolve_device
-from training.run import Run, setup_run
+from training.run import Run, add_run_info, setup_run
 from training.run_folder import claim_run_folder, write_record
 from training.signals import StopRequest, StopSignal
 from training.step import evaluate, generate_sample
@@ -34,6 +35,7 @@ def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = No
     """
     t = cfg.trainer
     ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
+    clock = StartupClock(device)
     lock = None
     try:
         lock = claim_run_folder(Path(run_dir), ranks)  # one run per folder; rank 0 holds it
@@ -45,7 +47,7 @@ def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = No
         if ranks.is_main:
             write_record(run.run_dir, cfg, record)
         with contextlib.closing(run.logger):
-            loss, val_loss, elapsed = train_loop(run)
+            loss, val_loss, elapsed = train_loop(run, clock)
         return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
     finally:
         if lock is not None:
@@ -53,11 +55,15 @@ def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = No
         distributed.teardown()
 
 
-def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
-    """Steps start_step + 1 .. max_steps. Returns (last loss, last val_loss, seconds taken)."""
+def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, Optional[float], float]:
+    """Steps start_step + 1 .. max_steps. Returns (last loss, last val_loss, seconds taken).
+
+    ``clock`` times the first steps from the process start; rank 0 adds its record to run.json."""
     t = run.cfg.trainer
     loss, val_loss, saved = float("nan"), None, None
     watch = LossWatch(run.device, t.max_bad_steps, run.start_step, run.run_dir, run.cfg.optim.lr)
+    clock = clock or StartupClock(run.device)
+    clock.loop_started()
     started = time.perf_counter()
     with StopRequest() as stop:
         for step in range(run.start_step + 1, t.max_steps + 1):
@@ -65,6 +71,7 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
             set_lr(run.optimizer, lr)
             loss_t, grad_norm_t, good = take_step(run, step)
             watch.count(step, loss_t, good)
+            note_startup(run, clock, step)
 
             stopping = distributed.any_rank(bool(stop.signum), run.ranks)
             log_due = step % t.log_interval == 0 or step == t.max_steps
@@ -101,6 +108,18 @@ def train_loop(run: Run) -> Tuple[float, Optional[float], float]:
             if stopping:
                 raise interrupted(stop.signum, step, newest_checkpoint(run.run_dir) if unsaveable else saved)
     return loss, val_loss, time.perf_counter() - started
+
+
+def note_startup(run: Run, clock: StartupClock, step: int) -> None:
+    """Time the run's first steps (training/metrics.py: StartupClock): rank 0 says when the first one
+    ended, and adds the times to run.json after the last one timed (or the run's last step)."""
+    timed_all = clock.step_done()
+    if not run.ranks.is_main:
+        return
+    if step == run.start_step + 1 and clock.record()["first_step_s"] is not None:
+        run.logger.message(f"step {step} done {clock.record()['first_step_s']:.1f} s after the command started")
+    if timed_all or step == run.cfg.trainer.max_steps:
+        add_run_info(run.run_dir, clock.record())
 
 
 def take_step(run: Run, step: int):

@@ -4,9 +4,13 @@ MFU = achieved model FLOP/s / the GPU's peak dense bf16/fp16 tensor-core FLOP/s.
 per token follow the PaLM appendix: 6 N for the weight matmuls (forward + backward) plus
 12 L d T for attention scores and their weighting (the full T x T product, the usual convention,
 even though causal kernels skip half of it).
+
+It also times a run's start (``StartupClock``): from the command to the first optimizer steps.
 """
 import contextlib
+import os
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -120,3 +124,51 @@ class ThroughputMeter:
         self.tokens, self.start = 0, now
         self._reset_memory()
         return {"tokens_per_s": tokens_per_s, "mfu": mfu, "peak_vram_mb": peak_mb}
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (the command, for `python train.py`), from Linux's /proc;
+    None where there is no /proc."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 of stat(5), counted from field 3 after the name
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class StartupClock:
+    """How long a run takes to get going: seconds from the process start to the loop's start and to the
+    end of each of its first ``steps`` optimizer steps (the device waited for), and from ``train()``'s
+    call (a job of a multirun, whose process started earlier) to the end of the first step.
+
+    Compilation, autotuning, kernel builds and CUDA-graph capture happen in these first steps; waiting
+    for the device in them costs nothing measurable. ``record()`` holds what was measured so far.
+    """
+
+    def __init__(self, device: torch.device, steps: int = 5):
+        self.device, self.steps = device, steps
+        self.job_start = time.perf_counter()
+        self.ages = []
+        self.loop_start_s = self.first_step_in_job_s = None
+
+    def loop_started(self) -> None:
+        self.loop_start_s = process_age_s()
+
+    def step_done(self) -> bool:
+        """Note the end of one of the first steps; True when it was the last one timed."""
+        if len(self.ages) >= self.steps:
+            return False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if not self.ages:
+            self.first_step_in_job_s = time.perf_counter() - self.job_start
+        self.ages.append(process_age_s())
+        return len(self.ages) == self.steps
+
+    def record(self) -> dict:
+        """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s'};
+        process ages are None where they cannot be read."""
+        return {"loop_start_s": self.loop_start_s, "first_step_s": self.ages[0] if self.ages else None,
+                "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s}

@@ -1,40 +1,74 @@
-"""AdamW with weight decay on matmul weights only, clipping inside its fused step, and the learning-rate schedules."""
+"""The optimizer (AdamW, or Muon with AdamW), clipping inside its fused step, and the learning-rate schedules."""
+import contextlib
 import math
-from typing import Iterable
+from typing import Dict, Iterable, Tuple
 
 import torch
 import torch.nn as nn
 
 from training.config import OptimConfig
+from training.muon import MuonAdamW
+
+
+def parameter_roles(model: nn.Module) -> Dict[int, str]:
+    """{id(parameter): role}: ``matrix`` (the blocks' weight matrices, ``GPT.weight_matrices``), ``head``
+    (the head's weight, the token embedding when tied), ``table`` (other embeddings, only looked up)
+    or ``other`` (norms, biases, gates, mixing and skip weights)."""
+    roles = {id(p): "other" for p in model.parameters()}
+    roles.update({id(m.weight): "table" for m in model.modules() if isinstance(m, nn.Embedding)})
+    roles.update({id(p): "matrix" for p, _ in model.weight_matrices()})
+    roles[id(model.lm_head.weight)] = "head"
+    return roles
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over two groups: the weights of Linear layers decay, everything else does not.
+    """optim=adamw: fused AdamW; optim=muon: ``MuonAdamW``, Muon for the blocks' weight matrices.
 
-    The tied token embedding is the language-model head's weight, so it decays with the matmuls;
-    the learned position table, norms and biases do not. The fused implementation (CUDA and CPU)
-    is required: it can skip a step on the device (``found_inf``) without a host sync.
+    The weights of Linear layers decay (optim.weight_decay), everything else does not: the tied token
+    embedding is the head's weight, so it decays with the matmuls; position and value tables, norms,
+    biases and scalars do not. Learning rates by role: optim.head_lr, embed_lr (tables), scalar_lr
+    (the rest), each null for optim.lr; the blocks' matrices take optim.lr under AdamW, optim.muon_lr
+    under Muon. Parameters that share an lr setting and a decay share a group, in the model's order,
+    so the groups depend on which settings are set, not on their values (with every role's lr null,
+    AdamW has two groups: decay, no decay). Each group's ``lr_scale`` is its lr over optim.lr: the
+    schedule sets lr_at(step) * lr_scale (``set_lr``). The fused implementation (CUDA and CPU) is
+    required: it can skip a step on the device (``found_inf``) without a host sync.
     """
-    matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    params = dict(model.named_parameters())
-    decay = [p for p in params.values() if id(p) in matmul_weights]
-    no_decay = [p for p in params.values() if id(p) not in matmul_weights]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True
-    )
+    roles = parameter_roles(model)
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    row_splits = {id(p): splits for p, splits in model.weight_matrices()}
+    role_lr = {"matrix": "muon_lr" if cfg.name == "muon" else "lr", "head": "head_lr", "table": "embed_lr",
+               "other": "scalar_lr"}
+    groups: Dict[Tuple, dict] = {}
+    for p in model.parameters():
+        source = role_lr[roles[id(p)]] if getattr(cfg, role_lr[roles[id(p)]]) is not None else "lr"
+        muon = source == "muon_lr"
+        decay = (cfg.muon_weight_decay if muon else cfg.weight_decay) if id(p) in linear_weights else 0.0
+        group = groups.setdefault((source, decay, row_splits.get(id(p)) if muon else None),
+                                  {"params": [], **group_settings(cfg, source, decay, row_splits.get(id(p)))})
+        group["params"].append(p)
+    optimizer = MuonAdamW if cfg.name == "muon" else torch.optim.AdamW
+    return optimizer(list(groups.values()), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
 
 
-def apply_hyperparameters(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
-    """Set ``cfg``'s betas, eps and weight decay (of the decaying group) on every group: loading a
-    checkpoint's optimizer state brings back the values it was saved with. The learning rate is set
-    every step (``set_lr``)."""
-    for group in optimizer.param_groups:
-        group["betas"], group["eps"] = tuple(cfg.betas), cfg.eps
-    optimizer.param_groups[0]["weight_decay"] = cfg.weight_decay
+def group_settings(cfg: OptimConfig, source: str, weight_decay: float, row_splits) -> dict:
+    """A group's settings: its lr (optim.<source>) and lr_scale, its decay, and Muon's (source muon_lr)."""
+    lr = getattr(cfg, source)
+    settings = {"lr": lr, "lr_scale": lr / cfg.lr, "weight_decay": weight_decay, "muon": source == "muon_lr"}
+    if settings["muon"]:
+        settings.update(momentum=cfg.muon_momentum, coefficients=cfg.muon_coefficients, lr_scale_kind=cfg.muon_lr_scale,
+                        cautious=cfg.muon_cautious, row_splits=row_splits)
+    return settings
+
+
+@contextlib.contextmanager
+def settings_kept(optimizer: torch.optim.Optimizer):
+    """Around loading a checkpoint's optimizer state (moments, momenta, step counts): this run's
+    settings (learning rates, decays, betas, Muon's) win over the ones saved with it."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    yield
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -58,12 +92,14 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every group's learning rate; a captured step's (a device tensor, see make_capturable) in place."""
+    """Set every group's learning rate to lr times its ``lr_scale``; a captured step's (a device tensor,
+    see make_capturable) in place."""
     for group in optimizer.param_groups:
+        group_lr = lr * group.get("lr_scale", 1.0)
         if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
+            group["lr"].fill_(group_lr)
         else:
-            group["lr"] = lr
+            group["lr"] = group_lr
 
 
 def clip_in_step(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ from training.cuda_graph import CapturedStep, use_cuda_graph
 from training.fit import auto_batch_size
 from training.loggers import MetricsLogger, QuietLogger
 from training.metrics import ThroughputMeter, flops_per_token, peak_tflops
-from training.optim import apply_hyperparameters, build_optimizer
+from training.optim import build_optimizer
 from training.precision import apply_vram_budget, dtype_name, make_grad_scaler, resolve_dtype
 from training.profiling import StepProfiler
 from training.step import train_step
@@ -86,7 +86,6 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     start_step, wandb_id, best_val_loss = restore(t.resume, run_dir, model, optimizer, scaler, train_loader, device,
                                                   ranks, lineage, config)
-    apply_hyperparameters(optimizer, cfg.optim)  # a resumed optimizer's groups hold the checkpoint's
 
     finished = start_step >= t.max_steps
     logger = QuietLogger() if finished or not ranks.is_main else MetricsLogger(
@@ -109,7 +108,7 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     if profiler.note:
         logger.message(profiler.note)
 
-    step_model = compiled(parallel_model, ranks) if t.compile else parallel_model
+    step_model = compiled(parallel_model, model, ranks, t.compile) if t.compile else parallel_model
     shard = SequenceShard(ranks.context_rank, ranks.context_size)
     step = functools.partial(train_step, step_model, model, optimizer, scaler, t=t, device=device, dtype=dtype,
                              shard=shard)
@@ -174,11 +173,17 @@ def throughput_meter(model: GPT, ranks: distributed.Ranks, device, peak_override
     return ThroughputMeter(device, per_token, peak * ranks.world_size if peak else None)
 
 
-def compiled(parallel_model, ranks: distributed.Ranks):
-    """``torch.compile`` the model; under FSDP block by block, so the sharding hooks stay between the graphs."""
-    if not ranks.sharded:
+def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
+    """The model under ``torch.compile`` as trainer.compile says: true, the whole model as one graph
+    (under FSDP block by block, so the sharding hooks stay between the graphs); blocks, each block on
+    its own (regional compilation): the blocks share one graph, compiled once, in a fraction of the
+    time, and what lies between them runs eagerly. Graphs an earlier job of a multirun compiled in this
+    process are dropped first: each run compiles its own (from the disk caches when it can), and a long
+    multirun never meets dynamo's limit on recompilations, past which it would run uncompiled."""
+    torch._dynamo.reset()
+    if how != "blocks" and not ranks.sharded:
         return torch.compile(parallel_model)
-    for block in parallel_model.blocks:
+    for block in model.blocks:
         block.compile()
     return parallel_model
 
@@ -198,6 +203,13 @@ def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, ba
         "init_from": origin,
     }
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def add_run_info(run_dir: Path, fields: dict) -> None:
+    """Add ``fields`` to run.json (the startup times, training/metrics.py: StartupClock)."""
+    path = run_dir / "run.json"
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**info, **fields}, indent=1) + "\n")
 
 
 def triton_version_or_none():

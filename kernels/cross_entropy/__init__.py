@@ -1,14 +1,15 @@
 """Softmax cross-entropy in one Triton kernel that writes the logits' gradient in place.
 
-``softmax_cross_entropy_(logits, targets) -> loss_rows`` (custom op, see kernel.py) and its
-plain PyTorch reference ``softmax_cross_entropy_ref``. ``fused_cross_entropy_available(t)`` says
+``softmax_cross_entropy_(logits, targets, softcap=None) -> loss_rows`` (custom op, see kernel.py),
+its plain PyTorch reference ``softmax_cross_entropy_ref`` and ``capped_logits``, the one definition
+of a soft-capped logit. ``fused_cross_entropy_available(t)`` says
 whether the kernel can run on a tensor; model/loss.py falls back to PyTorch where it cannot.
 """
 from __future__ import annotations
 
 import torch
 
-from .reference import softmax_cross_entropy_ref
+from .reference import capped_logits, softmax_cross_entropy_ref
 
 try:
     from .kernel import softmax_cross_entropy_, softmax_xent_launch
@@ -25,5 +26,5 @@ def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-__all__ = ["softmax_cross_entropy_", "softmax_xent_launch", "softmax_cross_entropy_ref",
+__all__ = ["softmax_cross_entropy_", "softmax_xent_launch", "softmax_cross_entropy_ref", "capped_logits",
            "fused_cross_entropy_available"]

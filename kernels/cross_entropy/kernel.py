@@ -5,8 +5,15 @@ and a running sum of exponentials rescaled to it (online softmax), so the row is
 its log-sum-exp. Pass 2 streams the row again (much of it from L2: a GPT-2 row is 100 KB) and
 overwrites it with softmax - onehot(target). Per row: two reads and one write of V elements,
 against the four passes of the compiled PyTorch version (max, sum, then read and write).
+
+With a soft-cap (``softcap`` = s > 0, model.logit_softcap) each logit x is read as c = s * tanh(x / s)
+in both passes (reference.py: ``capped_logits``, the one definition), so the loss is that of the
+capped logits and the gradient written is d loss / d x = (softmax(c) - onehot) * (1 - (c / s)^2):
+the cap costs a few flops per element and no pass of its own.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -18,14 +25,27 @@ NUM_WARPS = 16
 
 
 @triton.jit
-def _softmax_xent_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, BLOCK_V: tl.constexpr):
+def _tanh(x):
+    """tanh from exp2 (no tanh in every Triton version, nor in its interpreter), of -|x| so nothing
+    overflows: +-1 at +-inf."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _softmax_xent_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, softcap,
+                         BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max
     s = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum of exp(x - m)
     for start in range(0, V, BLOCK_V):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        mask = start + offs < V
+        x = tl.load(base + start + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
         m_new = tl.maximum(m, x)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with nothing yet: no -inf - -inf
         s = s * tl.exp2((m - m_safe) * LOG2E) + tl.exp2((x - m_safe) * LOG2E)
@@ -34,16 +54,23 @@ def _softmax_xent_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, BLOCK
     total = tl.sum(s * tl.exp2((m - row_max) * LOG2E), axis=0)
     lse = row_max + tl.log(total)
     target = tl.load(targets_ptr + row)
-    tl.store(loss_ptr + row, lse - tl.load(base + target).to(tl.float32))
+    target_logit = tl.load(base + target).to(tl.float32)
+    if SOFTCAP:
+        target_logit = softcap * _tanh(target_logit / softcap)
+    tl.store(loss_ptr + row, lse - target_logit)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        grad = tl.exp2((x - lse) * LOG2E) - tl.where(cols == target, 1.0, 0.0)
+        if SOFTCAP:
+            t = tl.where(mask, _tanh(x / softcap), 0.0)
+            grad = (tl.exp2((softcap * t - lse) * LOG2E) - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t)
+        else:
+            grad = tl.exp2((x - lse) * LOG2E) - tl.where(cols == target, 1.0, 0.0)
         tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
+def _check(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> None:
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits must be (n, V) float32, float16 or bfloat16; got {tuple(logits.shape)} {logits.dtype}")
     if logits.stride(1) != 1:
@@ -52,33 +79,37 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"targets must be ({logits.shape[0]},) int64; got {tuple(targets.shape)} {targets.dtype}")
     if targets.device != logits.device:
         raise ValueError(f"targets are on {targets.device} and logits on {logits.device}; put them on one device")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None; got {softcap}")
 
 
-def softmax_xent_launch(logits: torch.Tensor, targets: torch.Tensor, block_v: int = BLOCK_V,
-                        num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """Loss rows (n,) float32; logits (n, V) become softmax(logits) - onehot(targets) in place.
+def softmax_xent_launch(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None,
+                        block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """Loss rows (n,) float32; logits (n, V) become softmax(logits) - onehot(targets) in place, or with
+    ``softcap`` the gradient of the loss of the capped logits with respect to the raw ones.
 
     Targets must lie in [0, V) (not checked on the device: that would need a host sync).
     """
-    _check(logits, targets)
+    _check(logits, targets, softcap)
     n, V = logits.shape
     loss_rows = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        _softmax_xent_kernel[(n,)](logits, targets, loss_rows, V, logits.stride(0), BLOCK_V=block_v,
-                                   num_warps=num_warps)
+        _softmax_xent_kernel[(n,)](logits, targets, loss_rows, V, logits.stride(0), float(softcap or 1.0),
+                                   BLOCK_V=block_v, SOFTCAP=softcap is not None, num_warps=num_warps)
     return loss_rows
 
 
 @torch.library.custom_op("nanoflash::softmax_cross_entropy_", mutates_args={"logits"})
-def softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-row cross-entropy (n,) float32 of logits (n, V) against targets (n,) int64; logits are
-    overwritten with the gradient of the rows' sum, softmax - onehot, in their own dtype.
+    overwritten with the gradient of the rows' sum, softmax - onehot, in their own dtype. With
+    ``softcap`` = s the logits are read as s * tanh(logits / s) and the gradient is the raw logits'.
 
     A custom op: opaque to ``torch.compile`` (no graph break), run as the Triton kernel."""
-    return softmax_xent_launch(logits, targets)
+    return softmax_xent_launch(logits, targets, softcap)
 
 
 @softmax_cross_entropy_.register_fake
-def _(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    _check(logits, targets)
+def _(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    _check(logits, targets, softcap)
     return logits.new_empty(logits.shape[0], dtype=torch.float32)

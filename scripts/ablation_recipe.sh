@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The recipe's ablation on the baby GPT (experiment=speedrun_char): one multirun of the baseline (every
+# switch off), the baseline plus each switch alone, the full recipe, and the recipe minus each switch
+# alone, all at speedrun_char's steps, schedule and evaluation; then a table (final and best val loss,
+# step and seconds to TARGET, tokens/s) and plots of the val loss against steps and wall time.
+#
+#   OUT=bench/recipe bash scripts/ablation_recipe.sh                       # on a GPU: 22 runs
+#   OUT=bench/recipe SIDES=add bash scripts/ablation_recipe.sh             # baseline, + each switch, recipe (12)
+#   OUT=bench/recipe SIDES=remove bash scripts/ablation_recipe.sh          # baseline, recipe, - each switch (12)
+#   ONTO=linux_corpus SIDES=none TARGET=base OUT=bench/linux bash scripts/ablation_recipe.sh model=gpt2
+#                                                   # the second corpus: baseline and recipe, and how soon
+#                                                   # the recipe reaches the baseline's final val loss
+#   OUT=/tmp/recipe bash scripts/ablation_recipe.sh trainer.max_steps=4 trainer.device=cpu model.n_embd=36
+#                                                   # extra overrides go to every run
+#
+# The switches and the variants' configs: scripts/recipe_ablation.py (each a generated experiment that
+# builds on ONTO, default speedrun_char, found through train.py -cd). TARGET (default 1.47; base: the
+# baseline's final val loss) is the val loss timed.
+# Writes to $OUT: ablation.md (environment, command, table), table.md, metrics.jsonl (every run's
+# records, each tagged with its run), val_vs_step.png, val_vs_time.png, train.log. The run folders go
+# to $WORK (default: a fresh temporary folder). TRAIN_TIMEOUT (default 1500 s) limits the multirun;
+# a step that fails or runs out is recorded in ablation.md and the report is made from what is there.
+# Outside git (a copy of the tree) set NANOFLASH_COMMIT to the commit the copy was made from.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder for the results}"
+WORK=${WORK:-$(mktemp -d)}
+PYTHON=${PYTHON:-python3}
+TARGET=${TARGET:-1.47}
+mkdir -p "$OUT" "$WORK"
+source scripts/ablation_common.sh
+
+SIDES=${SIDES:-add remove}
+VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
+           --sides ${SIDES/none/}) || exit 2
+SWEEP=(-cd "$WORK/configs" "experiment=$VARIANTS")
+step training "${TRAIN_TIMEOUT:-1500}" "$OUT/train.log" \
+    "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" \
+    'hydra.sweep.subdir=${hydra.job.num}-${trainer.run_name}' "$@"
+step report 120 "$WORK/report.log" \
+    "$PYTHON" scripts/recipe_ablation.py report "$WORK/multirun" --target "$TARGET" --out "$WORK/report"
+
+tagged_records "$WORK/multirun" >"$OUT/metrics.jsonl"
+cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_time.png "$OUT"/ 2>/dev/null
+
+{
+    echo "# The recipe's ablation (on experiment=${ONTO:-speedrun_char})"
+    echo
+    environment_line
+    echo
+    echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS $*\` (the variants written by"
+    echo "\`python scripts/recipe_ablation.py variants\`), then \`python scripts/recipe_ablation.py report <multirun> --target $TARGET\`."
+    echo "Seconds from the loop's start (compilation included; each job of the multirun compiles its own model);"
+    echo "tokens/s: the median of a run's log records after the first."
+    echo
+    if [ -f "$WORK/report/table.md" ]; then cat "$WORK/report/table.md"; else echo "(no table: see report.log)"; fi
+    echo
+    echo "![val loss against step](val_vs_step.png)"
+    echo "![val loss against wall time](val_vs_time.png)"
+    status_lines
+} >"$OUT/ablation.md"
+cat "$OUT/ablation.md"
+ls "$OUT"
+[ ${#STATUS[@]} -eq 0 ]
