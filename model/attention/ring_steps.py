@@ -155,11 +155,10 @@ def flash_kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
 
 def flash_kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
                           scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """The one call of our kernel's backward with an external lse (B, H, T), contiguous float32."""
-    from kernels.flash_attention import flash_attn_bwd
+    """The one call of our kernel's backward with an external lse (B, H, T)."""
+    from kernels import flash_attn_backward
 
-    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse, None, None, None, None, scale, causal, 0, 0.0)
-    return dq, dk, dv
+    return flash_attn_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
 
 
 def _fold(x: Tensor, m: int) -> Tensor:
@@ -219,7 +218,7 @@ def flash_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     Tq, Tk = q.shape[1], k.shape[1]
     lse = lse.float()
     if Tq == Tk:
-        return flash_kernel_backward(do, q, k, v, o, lse.contiguous(), causal, scale)
+        return flash_kernel_backward(do, q, k, v, o, lse, causal, scale)
     if Tq > Tk:
         m = Tq // Tk
         dq, dk, dv = flash_kernel_backward(_fold(do, m), _fold(q, m), _repeat_batch(k, m), _repeat_batch(v, m),
