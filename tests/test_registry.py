@@ -32,9 +32,9 @@ def test_readme_lists_every_backend():
     assert sorted(re.findall(r"`([\w-]+)`", choices)) == sorted(BACKENDS)
 
 
-def recording_attend(q, k, v, doc_ids=None, window=None, gate=None):
+def recording_attend(q, k, v, doc_ids=None, window=None, g=None):
     """A backend for these tests: returns q and says what it was given."""
-    recording_attend.calls.append({"window": window, "gate": gate})
+    recording_attend.calls.append({"window": window, "g": g})
     return q
 
 
@@ -45,7 +45,7 @@ recording_attend.calls = []
 def recording_backend(monkeypatch):
     """``recording`` (takes window and a per-call gate) and ``plain`` (takes nothing) in the table."""
     table = dict(BACKENDS)
-    table["recording"] = Backend("recording", f"{__name__}:recording_attend", options=("window", "gate"))
+    table["recording"] = Backend("recording", f"{__name__}:recording_attend", window=True, gate=True)
     table["plain"] = Backend("plain", f"{__name__}:recording_attend")
     monkeypatch.setattr(attention, "BACKENDS", table)
     recording_attend.calls.clear()
@@ -55,13 +55,13 @@ def test_config_options_are_bound_and_call_options_pass_through(recording_backen
     attend, name = build_attention(AttentionConfig(name="recording", window=5), CPU)
     q = torch.randn(1, 4, 2, 8)
     assert name == "recording" and attend.packed is None
-    assert attend(q, q, q) is q and attend(q, q, q, gate="g") is q
-    assert recording_attend.calls == [{"window": 5, "gate": None}, {"window": 5, "gate": "g"}]
+    assert attend(q, q, q) is q and attend(q, q, q, g="g") is q
+    assert recording_attend.calls == [{"window": 5, "g": None}, {"window": 5, "g": "g"}]
 
 
 def test_a_feature_the_backend_cannot_compute_fails_when_the_config_is_checked(recording_backend):
     validate_attention(AttentionConfig(name="plain"))  # no window: fine
-    able = ", ".join(name for name, row in attention.BACKENDS.items() if "window" in row.options)
+    able = ", ".join(name for name, row in attention.BACKENDS.items() if row.window)
     assert able.endswith("flash, recording")
     with pytest.raises(UserError, match=rf"^attention=plain cannot run with attention.window=8; backends that can: {able}$"):
         validate_attention(AttentionConfig(name="plain", window=8))
@@ -76,11 +76,18 @@ def test_a_tuning_key_is_ignored_by_the_backends_that_do_not_take_it(recording_b
     assert attend(q, q, q) is q
 
 
+def no_such_chip(device) -> str:
+    return "no such chip"
+
+
 def test_a_backend_that_cannot_run_and_has_no_fallback_fails(monkeypatch):
-    table = dict(BACKENDS, plain=Backend("plain", f"{__name__}:recording_attend", unavailable=lambda device: "no such chip"))
+    table = dict(BACKENDS, plain=Backend("plain", f"{__name__}:recording_attend", unavailable=f"{__name__}:no_such_chip"),
+                 gpu_only=Backend("gpu_only", f"{__name__}:recording_attend", devices=("cuda",)))
     monkeypatch.setattr(attention, "BACKENDS", table)
     with pytest.raises(UserError, match=r"^attention=plain cannot run: no such chip$"):
         build_attention(AttentionConfig(name="plain"), CPU)
+    with pytest.raises(UserError, match=r"^attention=gpu_only cannot run: it runs on cuda and this run uses cpu$"):
+        build_attention(AttentionConfig(name="gpu_only"), CPU)
 
 
 def test_the_packed_variant_is_there_exactly_when_the_table_names_one():
@@ -96,9 +103,7 @@ def test_flash_says_why_an_old_gpu_cannot_run_it(monkeypatch, capability, runs):
     """Triton 3.3 dropped Turing (sm75): on a T4 flash falls back and says why."""
     import triton
 
-    import kernels
-
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: (True, "a GPU"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     reason = attention.unavailable_reason("flash", torch.device("cuda", 0))
@@ -112,9 +117,7 @@ def test_an_old_gpu_runs_sdpa_and_says_why_up_front(monkeypatch):
     attention.strict=true refuses with the same reason."""
     import triton
 
-    import kernels
-
-    monkeypatch.setattr(kernels, "flash_attn_available", lambda: (True, "a GPU"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     gpu = torch.device("cuda", 0)

@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
-from model.attention import check_options, validate_attention
+from model.attention import check_features, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
@@ -90,16 +90,28 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
+def features_in_use(cfg: TrainConfig) -> dict:
+    """{feature of model/attention's FEATURES: the setting that asks for it} for what ``cfg`` turns on
+    beyond plain causal attention; the backend's row must say it computes each."""
+    wanted = {}
+    if cfg.attention.window is not None:
+        wanted["window"] = f"attention.window={cfg.attention.window}"
+    if cfg.model.attention_dropout_p > 0:
+        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
+        wanted["dropout"] = f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"
+    if cfg.model.gate != "none":
+        wanted["gate"] = f"model.gate={cfg.model.gate}"
+    if cfg.data.document_mask:
+        wanted["documents"] = "data.document_mask=true"
+    return wanted
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every value the type system cannot; raise UserError naming the option and the fix."""
     validate_model(cfg.model)
     validate_attention(cfg.attention)
-    if cfg.model.attention_dropout_p > 0:
-        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
-        check_options(cfg.attention.name, {"dropout_p": f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"})
-    if cfg.model.gate != "none":
-        check_options(cfg.attention.name, {"g": f"model.gate={cfg.model.gate}"})
     validate_data(cfg.data)
+    check_features(cfg.attention.name, features_in_use(cfg))
     o, t = cfg.optim, cfg.trainer
     check_choice("optim.schedule", o.schedule, SCHEDULES)
     check_positive("optim.lr", o.lr)
