@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from errors import UserError
 from model import attention
-from model.attention import BACKENDS, Backend, build_attention, validate_attention
+from model.attention import BACKENDS, Backend, build_attention, naive, validate_attention
 from model.config import AttentionConfig
 from training.config import register_configs
 
@@ -127,3 +127,34 @@ def test_an_old_gpu_runs_sdpa_and_says_why_up_front(monkeypatch):
     assert ran == "sdpa" and attend.name == "sdpa"
     with pytest.raises(UserError, match="attention=flash cannot run: triton 3.6.0 does not compile for compute capability 7.5"):
         build_attention(AttentionConfig(name="flash", strict=True), gpu)
+
+
+def einsum_attend(q, k, v, doc_ids=None, window=None):
+    """README's example backend ("Adding a backend"): causal attention in two einsums, with a window."""
+    B, T, H, D = q.shape
+    k, v = (x.repeat_interleave(H // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / D ** 0.5
+    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(T, device=q.device)
+    visible = (j <= i) if window is None else (j <= i) & (i - j < window)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+
+
+def test_a_new_row_is_validated_and_trains(monkeypatch, tmp_path, data_cache):
+    """One row makes a backend: validation reads what it can do, and the loop trains with it."""
+    from conftest import tiny_config
+    from training.config import validate
+    from training.loop import train
+
+    monkeypatch.setattr(attention, "BACKENDS", dict(BACKENDS, einsum=Backend("einsum", f"{__name__}:einsum_attend",
+                                                                             window=True)))
+    cfg = tiny_config(data_cache, max_steps=4, log_interval=2, eval_interval=4, eval_iters=1)
+    cfg.attention.name, cfg.attention.window = "einsum", 8
+    with pytest.raises(UserError, match=r"^attention=einsum cannot run with model.dropout=0.1 \(attention dropout\); "
+                                        r"backends that can: naive, hybrid, tiled, sdpa, flash$"):
+        validate(cfg)
+    cfg.model.attention_dropout = 0.0
+    validate(cfg)
+    assert train(cfg, tmp_path)["backend"] == "einsum"
+    q, k, v = (torch.randn(2, 12, h, 8, generator=torch.Generator().manual_seed(h)) for h in (4, 2, 2))
+    torch.testing.assert_close(einsum_attend(q, k, v, window=5), naive.attend(q, k, v, window=5))
