@@ -43,7 +43,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
-    cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
+    cuda_graph: Any = "auto"  # auto | true | false: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
     max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
