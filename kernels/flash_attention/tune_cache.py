@@ -17,7 +17,7 @@ sees the old file or the new one, never half of one, and concurrent writers of o
 ranks tuning together) leave one whole file.
 
 The folder is ``$XDG_CACHE_HOME/nanoflash/autotune`` (``~/.cache/nanoflash/autotune``) unless
-the launcher is given another (``launch.LAUNCHER.cache_dir``; None keeps no files).
+a tuner is given another (``tuning.Tuner(cache_dir=...)``).
 """
 
 from __future__ import annotations
