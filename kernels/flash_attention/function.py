@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
     """Views q (B, T, n_head, D), k and v (B, T, H_kv, D) of qkv (B, T, n_head + 2 * H_kv, D)."""
     n_kv_head = (qkv.shape[2] - n_head) // 2
-    return qkv.split([n_head, n_kv_head, n_kv_head], dim=2)
+    return qkv.split_with_sizes([n_head, n_kv_head, n_kv_head], 2)
 
 
 @torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
