@@ -134,24 +134,22 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     def fwd_bwd(dropout_p=0.0):
         torch.autograd.grad(flash_attn(qg, kg, vg, dropout_p=dropout_p), (qg, kg, vg), do)
 
-    found = {
-        "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
-        "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
-        "autograd round trip of one built-in op (q * 2)": per_call_us(lambda: torch.autograd.grad(qg * 2, qg, do)),
-        "floor: round trip, our allocations, 3 empty launches": per_call_us(launch_floor_step(qg, kg, vg, do)),
+    pieces = {
+        "torch.empty x4": lambda: [torch.empty_like(q) for _ in range(4)],
+        "autograd round trip (launches nothing)": lambda: torch.autograd.grad(_Identity.apply(qg), qg, do),
+        "autograd round trip of one built-in op (q * 2)": lambda: torch.autograd.grad(qg * 2, qg, do),
+        "floor: round trip, our allocations, 3 empty launches": launch_floor_step(qg, kg, vg, do),
+        "attn_fwd (launch function)": lambda: attn_fwd(q, k, v, scale, True),
+        "attn_bwd (launch functions)": lambda: attn_bwd(do, q, k, v, o, lse, scale, True),
+        "nanoflash::flash_attn_fwd (op)": lambda: flash_attn_fwd(q, k, v, None, None, None, 0, 0, scale, True, 0, 0.0),
+        "flash_attn, no grad": lambda: flash_attn(q, k, v),
+        "flash_attn fwd+bwd": fwd_bwd,
+        "flash_attn fwd+bwd, dropout 0.1": lambda: fwd_bwd(0.1),
+        "flash_attn_qkvpacked fwd+bwd": lambda: torch.autograd.grad(flash_attn_qkvpacked(qkv, H), qkv, do),
+        "sdpa FA2 fwd+bwd": sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh),
+        "sdpa cuDNN fwd+bwd": sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh),
     }
-    found["attn_fwd (launch function)"] = per_call_us(lambda: attn_fwd(q, k, v, scale, True))
-    found["attn_bwd (launch functions)"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True))
-    found["nanoflash::flash_attn_fwd (op)"] = per_call_us(
-        lambda: flash_attn_fwd(q, k, v, None, None, None, 0, 0, scale, True, 0, 0.0))
-    found["flash_attn, no grad"] = per_call_us(lambda: flash_attn(q, k, v))
-    found["flash_attn fwd+bwd"] = per_call_us(fwd_bwd)
-    found["flash_attn fwd+bwd, dropout 0.1"] = per_call_us(lambda: fwd_bwd(0.1))
-    found["flash_attn_qkvpacked fwd+bwd"] = per_call_us(
-        lambda: torch.autograd.grad(flash_attn_qkvpacked(qkv, H), qkv, do))
-    found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh))
-    found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh))
-    return found
+    return {name: per_call_us(fn) for name, fn in pieces.items()}
 
 
 def kernel_times_us(step, iters: int = 20) -> dict:
