@@ -83,3 +83,12 @@ def test_every_link_resolves(doc):
 @pytest.mark.parametrize("doc", DOCS + RUN_READMES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_cited_file_exists(doc):
     assert missing_citations(doc, run_folder=doc in RUN_READMES) == []
+
+
+def test_every_cited_test_exists():
+    """A test named in the docs (RELIABILITY.md's table, KERNEL.md) is a test file or a test function."""
+    defined = set(re.findall(r"^\s*def (test_\w+)", "\n".join(p.read_text() for p in (REPO / "tests").glob("*.py")),
+                             re.M))
+    files = {p.stem for p in (REPO / "tests").glob("test_*.py")}
+    cited = {name for doc in DOCS for name in re.findall(r"\b(test_\w+)", doc.read_text())}
+    assert sorted(cited - defined - files) == []
