@@ -248,22 +248,16 @@ def first_call_child(shape: list, tune_cache: str) -> dict:
     import triton
 
     from kernels import flash_attn
-    from kernels.flash_attention import launch
+    from kernels.flash_attention import backward, forward
 
     triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())
     torch_first_backward_s = first_backward_seconds()
 
-    launcher = launch.LAUNCHER
-    launcher.cache_dir = Path(tune_cache)
+    tuners = (forward.FWD, backward.DQ, backward.DKDV)
     tunes = []
-
-    def timed_tuner(*args):
-        start = time.perf_counter()
-        timings = launch.time_configs(*args)
-        tunes.append(time.perf_counter() - start)
-        return timings
-
-    launcher.tuner = timed_tuner
+    for tuner in tuners:
+        tuner.cache_dir = Path(tune_cache)
+        tuner.timer = timed(tuner.timer, tunes)
     dtype, B, H, T, D = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=DTYPES[dtype], generator=g) for _ in range(4))
@@ -271,7 +265,18 @@ def first_call_child(shape: list, tune_cache: str) -> dict:
     seconds = first_call_seconds(lambda q, k, v: flash_attn(q, k, v, causal=True), q, k, v, do)
     return {"first_call_s": seconds, "tuning_s": sum(tunes), "tunes": len(tunes),
             "torch_first_backward_s": torch_first_backward_s,
-            "configs": {key[0]: str(cfg) for key, cfg in launcher.tuned.items()}}
+            "configs": {t.kind: str(cfg) for t in tuners for cfg in t.picks.values()}}
+
+
+def timed(timer, seconds: list):
+    """``timer`` that appends the seconds of each call to ``seconds``."""
+    def run(*args):
+        start = time.perf_counter()
+        timings = timer(*args)
+        seconds.append(time.perf_counter() - start)
+        return timings
+
+    return run
 
 
 def first_call_in_a_new_process(shape: tuple, triton_cache: Path, tune_cache: Path) -> dict:
@@ -432,13 +437,10 @@ def gate_table(records: list[dict], fla_line: str, meta: dict) -> str:
 
 
 def chosen_configs() -> dict:
-    """The config each autotuned kernel picked, per autotune key (kernel kind first)."""
-    from kernels.flash_attention.launch import LAUNCHER
+    """The config each kernel's tuner picked, per tuning key."""
+    from kernels.flash_attention import backward, forward
 
-    out = {}
-    for key, cfg in LAUNCHER.tuned.items():
-        out.setdefault(key[0], {})[str(key[1:])] = str(cfg)
-    return out
+    return {t.kind: {str(key): str(cfg) for key, cfg in t.picks.items()} for t in (forward.FWD, backward.DQ, backward.DKDV)}
 
 
 def main() -> None:
@@ -471,14 +473,12 @@ def main() -> None:
                  "scripts/bench_attention.py --device cpu runs every backend")
 
     from kernels import flash_attn
-    from kernels.flash_attention import launch
 
     shapes = args.shapes or ANCHORS
     meta = {
         **environment(CUDA),
         "dtype": "bfloat16",
         "causal": True,
-        "autotune": launch.LAUNCHER.autotune,
         "command": command_line("bench_flash.py"),
     }
     if args.first_call:

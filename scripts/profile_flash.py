@@ -4,11 +4,10 @@
 
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
-   allocations, the launch functions, the public function, the autograd round trip (of a Python
-   Function, and of one built-in op: what any backend pays on this host), the floor
-   (the round trip with our allocations and three launches of an empty kernel), with our
-   launch plans replayed and not (``LAUNCHER.replay``, kernels/flash_attention/launch.py), next to
-   SDPA's FlashAttention-2 and cuDNN.
+   allocations, the launch functions, the ops, the public function (plain, packed QKV, dropout),
+   the autograd round trip (of a Python Function, and of one built-in op: what any backend pays on
+   this host), the floor (the round trip with our allocations and three ``kernel[grid](...)``
+   launches of an empty kernel), next to SDPA's FlashAttention-2 and cuDNN.
 2. At the given shapes, per call: the host's time to issue back-to-back calls, their wall time (no
    L2 flush), wall time with ``triton.testing.do_bench`` (L2 flushed before each call, as the
    benchmarks do), and the GPU time of each kernel from ``torch.profiler``. Wall time far above
@@ -29,9 +28,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.flash_attention import flash_attn, launch  # noqa: E402
+from kernels.flash_attention import flash_attn, flash_attn_qkvpacked  # noqa: E402
 from kernels.flash_attention.backward import attn_bwd  # noqa: E402
 from kernels.flash_attention.forward import attn_fwd  # noqa: E402
+from kernels.flash_attention.function import flash_attn_fwd  # noqa: E402
 from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
 from training.exits import exit_on_error  # noqa: E402
@@ -92,8 +92,7 @@ def _launch_only(X):
 class _LaunchFloor(torch.autograd.Function):
     """The floor of any Triton attention behind an autograd.Function: the round trip, the
     allocations our forward and backward make (o, lse; dq, dk, dv, delta) and three launches of an
-    empty kernel (one forward, two backward) through the same ``CompiledKernel[grid]`` call our
-    launch plans replay."""
+    empty kernel (one forward, two backward) through ``kernel[grid](...)``, as ours launch."""
 
     @staticmethod
     def forward(ctx, q, k, v, launch):
@@ -115,7 +114,7 @@ class _LaunchFloor(torch.autograd.Function):
 
 def launch_floor_step(q, k, v, do):
     """One forward+backward of :class:`_LaunchFloor`; q, k, v require grad."""
-    launch = _launch_only[(1,)](q)[(1, 1, 1)]
+    launch = _launch_only[(1, 1, 1)]
 
     def step():
         torch.autograd.grad(_LaunchFloor.apply(q, k, v, launch), (q, k, v), do)
@@ -128,31 +127,30 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
     q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     scale = D ** -0.5
-    o, lse = attn_fwd(q, k, v, scale, True, 0, None)
+    o, lse = attn_fwd(q, k, v, scale, True)
+    qkv = torch.randn(B, T, 3 * H, D, device="cuda", dtype=dtype, requires_grad=True)
     qh, kh, vh, doh = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
     qh, kh, vh = (x.requires_grad_() for x in (qh, kh, vh))
 
     def fwd_bwd(dropout_p=0.0):
         torch.autograd.grad(flash_attn(qg, kg, vg, dropout_p=dropout_p), (qg, kg, vg), do)
 
-    found = {
-        "torch.empty x4": per_call_us(lambda: [torch.empty_like(q) for _ in range(4)]),
-        "autograd round trip (launches nothing)": per_call_us(lambda: torch.autograd.grad(_Identity.apply(qg), qg, do)),
-        "autograd round trip of one built-in op (q * 2)": per_call_us(lambda: torch.autograd.grad(qg * 2, qg, do)),
-        "floor: round trip, our allocations, 3 empty launches": per_call_us(launch_floor_step(qg, kg, vg, do)),
+    pieces = {
+        "torch.empty x4": lambda: [torch.empty_like(q) for _ in range(4)],
+        "autograd round trip (launches nothing)": lambda: torch.autograd.grad(_Identity.apply(qg), qg, do),
+        "autograd round trip of one built-in op (q * 2)": lambda: torch.autograd.grad(qg * 2, qg, do),
+        "floor: round trip, our allocations, 3 empty launches": launch_floor_step(qg, kg, vg, do),
+        "attn_fwd (launch function)": lambda: attn_fwd(q, k, v, scale, True),
+        "attn_bwd (launch functions)": lambda: attn_bwd(do, q, k, v, o, lse, scale, True),
+        "nanoflash::flash_attn_fwd (op)": lambda: flash_attn_fwd(q, k, v, None, None, None, 0, 0, scale, True, 0, 0.0),
+        "flash_attn, no grad": lambda: flash_attn(q, k, v),
+        "flash_attn fwd+bwd": fwd_bwd,
+        "flash_attn fwd+bwd, dropout 0.1": lambda: fwd_bwd(0.1),
+        "flash_attn_qkvpacked fwd+bwd": lambda: torch.autograd.grad(flash_attn_qkvpacked(qkv, H), qkv, do),
+        "sdpa FA2 fwd+bwd": sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh),
+        "sdpa cuDNN fwd+bwd": sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh),
     }
-    before = launch.LAUNCHER.replay
-    for replay, tag in ((True, "plans on"), (False, "plans off")):
-        launch.LAUNCHER.replay = replay
-        found[f"attn_fwd ({tag})"] = per_call_us(lambda: attn_fwd(q, k, v, scale, True, 0, None))
-        found[f"attn_bwd ({tag})"] = per_call_us(lambda: attn_bwd(do, q, k, v, o, lse, scale, True, 0, None))
-        found[f"flash_attn, no grad ({tag})"] = per_call_us(lambda: flash_attn(q, k, v))
-        found[f"flash_attn fwd+bwd ({tag})"] = per_call_us(fwd_bwd)
-        found[f"flash_attn fwd+bwd, dropout 0.1 ({tag})"] = per_call_us(lambda: fwd_bwd(0.1))
-    launch.LAUNCHER.replay = before
-    found["sdpa FA2 fwd+bwd"] = per_call_us(sdpa_step("FLASH_ATTENTION", qh, kh, vh, doh))
-    found["sdpa cuDNN fwd+bwd"] = per_call_us(sdpa_step("CUDNN_ATTENTION", qh, kh, vh, doh))
-    return found
+    return {name: per_call_us(fn) for name, fn in pieces.items()}
 
 
 def kernel_times_us(step, iters: int = 20) -> dict:

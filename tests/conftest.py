@@ -46,9 +46,29 @@ RECIPE = dict(qk_norm=True, mlp="relu2", zero_init=True, logit_softcap=15.0, tie
 
 
 def device_for(backend: str) -> str:
-    """Where a test runs ``backend``: flash on the GPU when there is one (it runs on CUDA tensors only;
-    without a GPU, on the CPU under Triton's interpreter), every other backend on the CPU."""
-    return "cuda" if backend == "flash" and torch.cuda.is_available() else "cpu"
+    """Where a test runs ``backend``: on the CPU when its row lists it, else on the GPU when there is
+    one, else on the CPU emulated (flash under Triton's interpreter)."""
+    from model.attention import BACKENDS
+
+    devices = BACKENDS[backend].devices
+    return "cpu" if devices is None or "cpu" in devices or not torch.cuda.is_available() else "cuda"
+
+
+def emulated(backend: str) -> bool:
+    """Whether ``backend`` runs here on a device its row does not list (Triton's interpreter): slow,
+    so tests keep such runs short or leave them to the backend's own test files."""
+    from model.attention import BACKENDS
+
+    devices = BACKENDS[backend].devices
+    return devices is not None and device_for(backend) not in devices
+
+
+def backend_params(*, emulated_too: bool = True) -> list:
+    """pytest params over every row of BACKENDS (with ``emulated_too=False``, those that run here
+    on a device of their own), so a new backend joins the parametrised tests by itself."""
+    from model.attention import BACKENDS
+
+    return [pytest.param(name, id=name) for name in BACKENDS if emulated_too or not emulated(name)]
 
 
 def check_a_short_run_learns(tmp_path, data_cache, backend: str, steps: int, batch: int, drop: float,

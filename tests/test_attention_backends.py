@@ -1,14 +1,15 @@
-"""naive, hybrid and sdpa agree with a float64 reference: outputs and gradients, GQA, windows, documents."""
+"""Every backend of the table agrees with a float64 reference: outputs and gradients, GQA, windows,
+documents (each where its row says it computes them), on the devices the row lists (flash on a GPU;
+its emulated CPU runs are test_flash_kernel.py's)."""
 import math
 
 import pytest
 import torch
 
-from model.attention import build_attention, hybrid, naive, tiled
+from conftest import backend_params, device_for
+from model.attention import BACKENDS, build_attention, hybrid, naive, tiled
 from model.attention.masks import cu_seqlens_from_doc_ids
 from model.config import AttentionConfig
-
-BACKENDS = ["naive", "hybrid", "sdpa"]
 
 
 def reference_probs(q, k, doc_ids=None, window=None):
@@ -52,27 +53,31 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(emulated_too=False))
 @pytest.mark.parametrize("B,T,H,Hkv,D,window,docs", CASES)
 def test_backend_matches_reference(backend, B, T, H, Hkv, D, window, docs):
+    row = BACKENDS[backend]
+    if (window and not row.window) or (docs and not row.documents):
+        pytest.skip(f"{backend}'s row says it does not compute this")
     gen = torch.Generator().manual_seed(T * 31 + H)
-    q = torch.randn(B, T, H, D, generator=gen, requires_grad=True)
-    k = torch.randn(B, T, Hkv, D, generator=gen, requires_grad=True)
-    v = torch.randn(B, T, Hkv, D, generator=gen, requires_grad=True)
+    q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (H, Hkv, Hkv))
     doc_ids = random_doc_ids(B, T, gen) if docs else None
-    attend, name = build_attention(AttentionConfig(name=backend, block_size=32, window=window), torch.device("cpu"))
+    grad_out = torch.randn(B, T, H, D, generator=gen)
+    device = torch.device(device_for(backend))
+    attend, name = build_attention(AttentionConfig(name=backend, block_size=32, window=window, strict=True), device)
     assert name == backend
 
-    out = attend(q, k, v, doc_ids=doc_ids)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves, doc_ids=None if doc_ids is None else doc_ids.to(device))
     ref = reference(q, k, v, doc_ids, window)
     assert out.shape == (B, T, H, D)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-5, rtol=2e-5)
 
-    grad_out = torch.randn(B, T, H, D, generator=gen)
-    got = torch.autograd.grad(out, (q, k, v), grad_out)
-    want = torch.autograd.grad(ref, (q, k, v), grad_out.double())
+    got = torch.autograd.grad(out, leaves, grad_out.to(device))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(reference(*leaves, doc_ids, window), leaves, grad_out.double())
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.double(), w.double(), atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(g.double().cpu(), w.double(), atol=5e-5, rtol=5e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 64, 1000])
@@ -84,15 +89,16 @@ def test_hybrid_block_size_does_not_change_the_result(block_size):
     torch.testing.assert_close(hybrid(q, k, v), naive(q, k, v), atol=1e-5, rtol=1e-5)
 
 
-def test_strided_inputs_from_a_fused_projection():
+@pytest.mark.parametrize("backend", backend_params(emulated_too=False))
+def test_strided_inputs_from_a_fused_projection(backend):
     """The model hands views of one (B, T, H + 2 H_kv, D) tensor; no backend may assume contiguity."""
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(2, 33, 4 + 2 * 2, 16, generator=gen)
-    q, k, v = qkv.split([4, 2, 2], dim=2)
-    ref = reference(q, k, v)
-    for backend in BACKENDS:
-        attend, _ = build_attention(AttentionConfig(name=backend, block_size=8), torch.device("cpu"))
-        torch.testing.assert_close(attend(q, k, v).double(), ref, atol=2e-5, rtol=2e-5)
+    ref = reference(*qkv.split([4, 2, 2], dim=2))
+    device = torch.device(device_for(backend))
+    attend, _ = build_attention(AttentionConfig(name=backend, block_size=8, strict=True), device)
+    q, k, v = qkv.to(device).split([4, 2, 2], dim=2)
+    torch.testing.assert_close(attend(q, k, v).double().cpu(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_cu_seqlens_from_doc_ids_ends_documents_at_rows_too():

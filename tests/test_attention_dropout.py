@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import check_a_short_run_learns, device_for, tiny_config
+from conftest import check_a_short_run_learns, device_for, emulated, tiny_config
 from errors import UserError
 from model import GPT, ModelConfig
 from model.attention import BACKENDS as TABLE, Attention, build_attention, hybrid, naive, sdpa, tiled
@@ -214,8 +214,7 @@ def test_evaluation_with_dropout_is_deterministic_and_equals_no_dropout(name):
 def test_a_run_with_attention_dropout_trains_with_every_backend(tmp_path, data_cache, name):
     """Only attention dropout (p = 0.3): every loss finite, and the loss falls. fp32 on CPU; flash
     there runs under Triton's interpreter (about 2.5 s a step), so for 8 steps of 4 sequences."""
-    interpreted = name == "flash" and not torch.cuda.is_available()
-    steps, batch, drop = (8, 4, 0.2) if interpreted else (30, 8, 0.3)
+    steps, batch, drop = (8, 4, 0.2) if emulated(name) else (30, 8, 0.3)
     check_a_short_run_learns(tmp_path, data_cache, name, steps, batch, drop, attention_dropout=0.3)
 
 
@@ -226,7 +225,7 @@ def test_attention_dropout_is_checked_against_the_backend_and_its_range(monkeypa
         validate(cfg)
     from model import attention
 
-    table = dict(TABLE, plain=dataclasses.replace(TABLE["naive"], name="plain", options=("window",)))
+    table = dict(TABLE, plain=dataclasses.replace(TABLE["naive"], name="plain", dropout=False))
     monkeypatch.setattr(attention, "BACKENDS", table)
     cfg = tiny_config(data_cache)
     cfg.attention.name = "plain"

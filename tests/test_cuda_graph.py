@@ -94,9 +94,18 @@ def test_what_cannot_be_captured_is_refused_with_the_way_out(device, dtype, dist
     with pytest.raises(UserError, match="trainer.cuda_graph=true cannot be used here") as refused:
         use_cuda_graph(True, *settings)
     assert needle in str(refused.value) and "trainer.cuda_graph=false" in str(refused.value)
-    assert use_cuda_graph("auto", *settings) is False  # auto: uncaptured, and says why
-    assert needle in capsys.readouterr().out
+    assert use_cuda_graph("auto", *settings) is False  # auto: uncaptured, and on a GPU says why
+    assert (needle in capsys.readouterr().out) == (device == "cuda")
     assert use_cuda_graph(False, *settings) is False
+
+
+def test_auto_is_the_default_and_says_nothing_on_a_cpu(tmp_path, data_cache, capsys):
+    """On a GPU every run is captured where it can be; on a CPU the default runs as before, silently."""
+    from training.config import TrainerConfig
+
+    assert TrainerConfig().cuda_graph == "auto"
+    train(tiny_config(data_cache, max_steps=2, eval_interval=2, eval_iters=1, log_interval=1), tmp_path)
+    assert "cuda_graph" not in capsys.readouterr().out
 
 
 def test_a_capturable_run_is_captured_when_asked_or_on_auto():

@@ -19,8 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_flash_kernel import (  # noqa: F401  (_no_autotune_by_default: autouse here too)
-    CUDA, DEVICE, F16, F32, Case, _no_autotune_by_default, flash_attn, make_gate, make_inputs, max_err)
+from test_flash_kernel import CUDA, DEVICE, F16, F32, Case, flash_attn, make_gate, make_inputs, max_err
 from kernels import flash_attn_qkvpacked
 from kernels.flash_attention.gate import SCAN_BLOCK, gate_cumsum, gate_grad
 from kernels.flash_attention.reference import attention_ref, gate_bias

@@ -1,10 +1,10 @@
 """Choosing the flash kernels' configs: the short lists per (GPU family, dtype, D), the tuning of
-the few that have more than one candidate, the picks kept on disk between processes, and the
-console notices of a long tune or compilation.
+the few that have more than one candidate, the picks kept on disk between processes, the console
+notices of a long tune or compilation, and the tuning key.
 
-The CPU tests drive ``launch.Launcher`` with stand-ins: a kernel whose "compiled binary" records
-its launches, a tuner that records what it was asked to time, and a fake H100. The GPU tests run
-the real kernels with the consumer-card configs forced, and a real tune read back from disk.
+The CPU tests drive a ``tuning.Tuner`` of their own with stand-ins: a kernel that records its
+warm-ups, a timer that records what it was asked to time, and an H100's description. The GPU
+tests run the real kernels with the consumer-card configs, and a real tune read back from disk.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 from dataclasses import replace
 
 import pytest
@@ -24,7 +23,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.flash_attention import configs, launch, tune_cache  # noqa: E402
+from kernels.flash_attention import backward, configs, forward, tune_cache, tuning  # noqa: E402
 from kernels.flash_attention.configs import Device, TileConfig  # noqa: E402
 
 H100 = Device("NVIDIA H100 80GB HBM3", "hopper", configs.SMEM_HOPPER)
@@ -34,7 +33,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 def _block_d(D: int) -> int:
-    return max(16, launch.next_power_of_2(D))
+    return max(16, tuning.next_power_of_2(D))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,119 +104,99 @@ def test_forcing_the_consumer_family_on_an_h100():
         H100.as_family("turing")
 
 
-def test_the_interpreter_and_cpu_tensors_get_the_interpreter_configs():
+def test_cpu_tensors_and_an_interpreted_kernel_get_the_interpreter_configs():
+    cpu = torch.device("cpu")
     for kind in configs.KINDS:
-        assert configs.default_config(kind, torch.device("cpu"), 64, 2) == configs.INTERPRET_CONFIGS[kind]
+        assert _tuner(None, _RecordingTimer(), kind=kind).pick(cpu, torch.float16, 64, (1, 1), (), _constexprs(64)) \
+            == configs.INTERPRET_CONFIGS[kind]
+    if not CUDA:
+        assert forward.FWD.interpreted and backward.DQ.interpreted and backward.DKDV.interpreted
 
 
 # ---------------------------------------------------------------------------------------------
-# The launcher with stand-ins: tuning, the disk cache, the notices.
-class _Binary:
-    """A compiled kernel's stand-in: ``binary[grid](*args)``."""
-
-    def __getitem__(self, grid):
-        return lambda *args: None
-
-
+# A tuner with stand-ins: tuning, the disk cache, the notices.
 class _StandInJit:
-    """A JIT function's stand-in with a forward-like signature: records each Triton launch as
-    (grid, BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-
-    arg_names = ["Q", "O", "T", "T_BUCKET", "HEAD_DIM", "BLOCK_D", "IS_CAUSAL", "BLOCK_M", "BLOCK_N"]
-    params = [types.SimpleNamespace(name=n, is_constexpr=n not in ("Q", "O", "T", "T_BUCKET")) for n in arg_names]
+    """A JIT function's stand-in: records each warm-up (compilation) as its config."""
 
     def __init__(self, cache_key="source-v1"):
         self.cache_key = cache_key
-        self.launches = []
+        self.warmed = []
 
-    def __getitem__(self, grid):
-        def run(num_warps, num_stages, **kwargs):
-            assert set(kwargs) == set(self.arg_names)
-            self.launches.append((grid, kwargs["BLOCK_M"], kwargs["BLOCK_N"], num_warps, num_stages))
-            return _Binary()
-
-        return run
+    def warmup(self, *args, grid, BLOCK_M, BLOCK_N, num_warps, num_stages, **constexprs):
+        self.warmed.append(TileConfig(BLOCK_M, BLOCK_N, num_warps, num_stages))
 
 
-class _RecordingTuner:
-    """Stands in for ``launch.time_configs``: records the candidates it was asked to time and
-    times the ``best`` one fastest (by default the last candidate, so the pick is not the default)."""
+class _RecordingTimer:
+    """Stands in for ``tuning.time_configs``: records the candidates it was asked to time and
+    times the ``best`` one fastest (by default the last candidate, so the pick is not the first)."""
 
     def __init__(self, best=-1):
         self.best = best
         self.calls = []
 
-    def __call__(self, kernel, candidates, grid_rows, grid_yz, args):
+    def __call__(self, tuner, candidates, rows, grid_yz, args, constexprs):
         self.calls.append(list(candidates))
         return {c: (0.5 if i == self.best % len(candidates) else 1.0) for i, c in enumerate(candidates)}
 
 
-@pytest.fixture
-def fake_h100(monkeypatch):
-    """Launches as on an H100 (no interpreter, a CUDA device described as an H100)."""
-    gpu = {"device": H100}
-    monkeypatch.setattr(launch, "is_interpreter", lambda: False)
-    monkeypatch.setattr(launch, "describe_device", lambda index: gpu["device"])
-    monkeypatch.setattr(configs, "is_interpreter", lambda: False)
-    monkeypatch.setattr(configs, "describe_device", lambda index: gpu["device"])
-    return gpu
+def _constexprs(D: int) -> dict:
+    return dict(HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=True)
 
 
-def _launch(launcher, jit, D=128, T=1000, dtype=torch.bfloat16):
-    """One forward-like launch through ``launcher``; the config it launched."""
-    q = torch.zeros(16, dtype=dtype)
-    kernel = launch.Kernel("fwd", jit, "BLOCK_M")
-    ints = dict(T=T, T_BUCKET=launch.next_power_of_2(T), HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=True)
-    launcher.launch(kernel, T, (2, 4), {"Q": q, "O": q}, {}, ints, torch.device("cuda", 0))
-    _, bm, bn, w, s = jit.launches[-1]
-    return TileConfig(bm, bn, w, s)
+def _tuner(cache_dir, timer, jit=None, gpu=H100, kind="fwd", **kw) -> tuning.Tuner:
+    """A fresh tuner (what a new process starts with) on a stand-in ``gpu``."""
+    return tuning.Tuner(kind, jit or _StandInJit(), "BLOCK_M", describe=lambda index: gpu, timer=timer,
+                        cache_dir=cache_dir, **kw)
 
 
-def _launcher(tmp_path, tuner, **kw):
-    """A fresh launcher: what a new process starts with."""
-    return launch.Launcher(autotune=True, replay=False, cache_dir=tmp_path, tuner=tuner, **kw)
+def _pick(tuner, D=128, T=1000, dtype=torch.bfloat16) -> TileConfig:
+    """The config ``tuner`` gives a forward-like launch on CUDA device 0."""
+    return tuner.pick(torch.device("cuda", 0), dtype, T, (2, 4), (), _constexprs(D))
 
 
-def test_a_tuned_pick_is_read_back_by_a_new_process_without_tuning(fake_h100, tmp_path):
-    jit, first = _StandInJit(), _RecordingTuner()
+def test_a_tuned_pick_is_read_back_by_a_new_process_without_tuning(tmp_path):
+    jit, first = _StandInJit(), _RecordingTimer()
     candidates = configs.HALF_CONFIGS[("hopper", 128)]["fwd"]
-    launcher = _launcher(tmp_path, first)
-    assert _launch(launcher, jit) == candidates[-1]
+    tuner = _tuner(tmp_path, first, jit)
+    assert _pick(tuner) == candidates[-1] and jit.warmed == [candidates[-1]]
     assert first.calls == [candidates]
-    assert _launch(launcher, jit) == candidates[-1] and len(first.calls) == 1  # remembered in memory
+    assert _pick(tuner) == candidates[-1] and len(first.calls) == 1  # remembered in memory
     [entry] = tmp_path.iterdir()
     stored = json.loads(entry.read_text())
     assert stored["pick"] == {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    assert stored["key"]["gpu"] == H100.name and stored["key"]["args"]["T_BUCKET"] == 1024
+    assert stored["key"]["gpu"] == H100.name and stored["key"]["T_BUCKET"] == 1024
+    assert stored["key"]["constexprs"] == _constexprs(128)
 
-    second = _RecordingTuner(best=0)
-    assert _launch(_launcher(tmp_path, second), jit) == candidates[-1]
+    second = _RecordingTimer(best=0)
+    assert _pick(_tuner(tmp_path, second, jit)) == candidates[-1]
     assert second.calls == []
 
 
-def test_a_single_candidate_is_launched_without_tuning_or_files(fake_h100, tmp_path):
-    jit, tuner = _StandInJit(), _RecordingTuner()
-    assert _launch(_launcher(tmp_path, tuner), jit, D=64) == configs.HALF_CONFIGS[("hopper", 64)]["fwd"][0]
-    assert _launch(_launcher(tmp_path, tuner), jit, D=64, dtype=torch.float32) == configs.FP32_CONFIGS[64]["fwd"][0]
-    assert tuner.calls == [] and list(tmp_path.iterdir()) == []
+def test_a_single_candidate_is_launched_without_tuning_or_files(tmp_path):
+    timer = _RecordingTimer()
+    assert _pick(_tuner(tmp_path, timer), D=64) == configs.HALF_CONFIGS[("hopper", 64)]["fwd"][0]
+    assert _pick(_tuner(tmp_path, timer), D=64, dtype=torch.float32) == configs.FP32_CONFIGS[64]["fwd"][0]
+    assert timer.calls == [] and list(tmp_path.iterdir()) == []
 
 
-def test_autotune_off_launches_the_first_candidate(fake_h100, tmp_path):
-    jit, tuner = _StandInJit(), _RecordingTuner()
-    launcher = launch.Launcher(autotune=False, replay=False, cache_dir=tmp_path, tuner=tuner)
-    assert _launch(launcher, jit) == configs.HALF_CONFIGS[("hopper", 128)]["fwd"][0]
-    assert tuner.calls == []
+def test_a_new_tuning_key_tunes_again(tmp_path):
+    """The T bucket, the dtype and every constexpr's value are in the key."""
+    timer = _RecordingTimer()
+    tuner = _tuner(tmp_path, timer)
+    keys = [dict(T=1000), dict(T=1024), dict(T=1025), dict(T=1000, dtype=torch.float16)]
+    for kw in keys:
+        _pick(tuner, **kw)
+    assert len(timer.calls) == 3  # 1000 and 1024 share the bucket
+    tuner.pick(torch.device("cuda", 0), torch.bfloat16, 1000, (2, 4), (), {**_constexprs(128), "IS_CAUSAL": False})
+    assert len(timer.calls) == 4
 
 
-def _disk_key(jit=None, gpu=H100, T=1000, D=128):
-    kernel = launch.Kernel("fwd", jit or _StandInJit(), "BLOCK_M")
-    q = torch.zeros(16, dtype=torch.bfloat16)
-    args = dict(Q=q, O=q, T=T, T_BUCKET=launch.next_power_of_2(T), HEAD_DIM=D, BLOCK_D=_block_d(D), IS_CAUSAL=True)
+def _disk_key(jit=None, gpu=H100, T=1000, D=128, constexprs=None):
     cands = configs.shortlist("fwd", gpu, 2, _block_d(D))
-    return launch.Launcher(autotune=True, replay=False).disk_key(kernel, gpu, cands, args)
+    return _tuner(None, None, jit).disk_key(gpu, torch.bfloat16, cands, T, constexprs or _constexprs(D))
 
 
-def test_the_disk_key_changes_with_gpu_triton_source_shape_and_candidates(monkeypatch, tmp_path):
+def test_the_disk_key_changes_with_gpu_triton_source_shape_constexprs_and_candidates(monkeypatch, tmp_path):
     import triton
 
     base = tune_cache.entry_path(tmp_path, _disk_key())
@@ -225,6 +204,7 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_and_candidates(monkey
     others = [_disk_key(gpu=replace(H100, name="NVIDIA H200")),
               _disk_key(jit=_StandInJit(cache_key="source-v2")),
               _disk_key(T=3000),
+              _disk_key(constexprs={**_constexprs(128), "IS_CAUSAL": False}),
               _disk_key(gpu=H100.as_family("consumer"))]  # another family: other candidates
     monkeypatch.setattr(triton, "__version__", "9.9.9")
     others.append(_disk_key())
@@ -232,72 +212,65 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_and_candidates(monkey
     assert base not in paths and len(paths) == len(others)
 
 
-def _launches_of(monkeypatch, call) -> dict:
-    """{kind: (kernel, pointers, args)} of the tile kernels' launches ``call()`` makes through
-    ``launch.LAUNCHER`` (recorded, not run), each kernel with its JIT function as on a GPU: the
-    interpreter's stand-in has no parameter list to read the key's names from. The gate's scan
-    kernels (``launch_fixed``) are not run either: the CPU tensors here launch nothing on a GPU box."""
+def _launch_constexprs(monkeypatch, *calls) -> list[dict]:
+    """Per call of ``calls``: {kind: constexprs} of the tile kernels' launches it makes, as each
+    launch function hands them to its tuner (and then to the kernel)."""
+    seen = []
+    for tuner in (forward.FWD, backward.DQ, backward.DKDV):
+        def record(device, dtype, rows, grid_yz, args, constexprs, tuner=tuner, pick=tuner.pick):
+            seen[-1][tuner.kind] = constexprs
+            return pick(device, dtype, rows, grid_yz, args, constexprs)
+
+        monkeypatch.setattr(tuner, "pick", record)
+    for call in calls:
+        seen.append({})
+        call()
+    return seen
+
+
+def _constexpr_params(jit) -> set[str]:
+    """The names of a Triton kernel's constexpr parameters (read from its JIT signature)."""
     from triton.runtime.jit import JITFunction
 
-    launches = {}
-
-    def record(kernel, grid_rows, grid_yz, pointers, scales, ints, device, plan=None):
-        jit = kernel.jit if hasattr(kernel.jit, "params") else JITFunction(kernel.jit.fn)
-        launches[kernel.kind] = (launch.Kernel(kernel.kind, jit, kernel.resident), pointers,
-                                 {**pointers, **scales, **ints})
-
-    monkeypatch.setattr(launch.LAUNCHER, "launch", record)
-    monkeypatch.setattr(launch.LAUNCHER, "launch_fixed", lambda *args, **kwargs: None)
-    monkeypatch.setattr(launch.LAUNCHER, "replay", False)
-    call()
-    return launches
+    jit = jit if hasattr(jit, "params") else JITFunction(jit.fn)  # the interpreter's has no parameter list
+    return {p.name for p in jit.params if p.is_constexpr}
 
 
-def test_the_tuning_key_holds_the_gate_flag_and_the_gate_pointers_dtypes(monkeypatch):
-    """A gated call tunes apart from a plain one, through the launcher's own key (every constexpr,
-    every pointer's dtype): the keys differ in HAS_GATE and in the gate's pointers only."""
-    from kernels.flash_attention.backward import attn_bwd
-    from kernels.flash_attention.forward import attn_fwd
-
+def test_the_tuning_key_holds_every_constexpr_but_the_tiles(monkeypatch):
+    """Each launch hands its tuner (whose key is built from it) the very dict of constexprs it
+    passes the kernel: every constexpr of the kernel but BLOCK_M and BLOCK_N, so a constexpr the
+    kernel gains cannot be left out of the key. A gated call's differ from a plain one's in
+    HAS_GATE only."""
     B, T, H, D = 1, 8, 2, 16
     q = torch.zeros(B, T, H, D)
     lse = torch.zeros(B, H, T)
     g = torch.zeros(B, T, H)
 
-    def calls(gate):
-        return _launches_of(monkeypatch, lambda: (attn_fwd(q, q, q, 0.25, True, 0, None, g=gate),
-                                                  attn_bwd(q, q, q, q, q, lse, 0.25, True, 0, None, g=gate)))
+    def run(gate):
+        return lambda: (forward.attn_fwd(q, q, q, 0.25, True, g=gate),
+                        backward.attn_bwd(q, q, q, q, q, lse, 0.25, True, g=gate))
 
-    plain, gated = calls(None), calls(g)
+    plain, gated = _launch_constexprs(monkeypatch, run(None), run(g))
     assert set(plain) == set(gated) == {"fwd", "dq", "dkdv"}
-    launcher, cuda = launch.Launcher(autotune=True, replay=False), torch.device("cuda", 0)
-    for kind, (kernel, pointers, args) in plain.items():
-        assert "HAS_GATE" in kernel.key_names and not set(launch.TILE_NAMES) & set(kernel.key_names)
-        _, gated_pointers, gated_args = gated[kind]
-        key, gated_key = (launcher.tuning_key(kernel, p, a, cuda) for p, a in ((pointers, args),
-                                                                               (gated_pointers, gated_args)))
-        values, gated_values = (dict(zip(kernel.key_names, k[3:-1])) for k in (key, gated_key))
-        assert {n for n in values if values[n] != gated_values[n]} == {"HAS_GATE"}
-        assert not values["HAS_GATE"] and gated_values["HAS_GATE"]
-        changed = {n for n, a, b in zip(pointers, key[-1], gated_key[-1]) if a != b}
-        assert changed == ({"C_HI", "C_LO"} if kind == "fwd" else {"C_HI", "C_LO", "DC"})
-        assert all(gated_key[-1][list(pointers).index(n)] == torch.float32 for n in changed)
+    for tuner in (forward.FWD, backward.DQ, backward.DKDV):
+        assert set(plain[tuner.kind]) == _constexpr_params(tuner.jit) - {"BLOCK_M", "BLOCK_N"}
+        differ = {n for n in plain[tuner.kind] if plain[tuner.kind][n] != gated[tuner.kind][n]}
+        assert differ == {"HAS_GATE"}
 
 
-def test_another_gpu_or_kernel_source_tunes_again(fake_h100, tmp_path):
-    first = _RecordingTuner()
-    _launch(_launcher(tmp_path, first), _StandInJit())
-    edited = _RecordingTuner()
-    _launch(_launcher(tmp_path, edited), _StandInJit(cache_key="source-v2"))
-    fake_h100["device"] = replace(H100, name="NVIDIA H200")
-    other_gpu = _RecordingTuner()
-    _launch(_launcher(tmp_path, other_gpu), _StandInJit())
+def test_another_gpu_or_kernel_source_tunes_again(tmp_path):
+    first = _RecordingTimer()
+    _pick(_tuner(tmp_path, first))
+    edited = _RecordingTimer()
+    _pick(_tuner(tmp_path, edited, _StandInJit(cache_key="source-v2")))
+    other_gpu = _RecordingTimer()
+    _pick(_tuner(tmp_path, other_gpu, gpu=replace(H100, name="NVIDIA H200")))
     assert len(first.calls) == len(edited.calls) == len(other_gpu.calls) == 1
     assert len(list(tmp_path.iterdir())) == 3
 
 
 @pytest.mark.parametrize("content", ["corrupt", "not-an-entry", "foreign-key", "stray-pick"])
-def test_a_corrupt_or_foreign_cache_file_is_ignored_with_a_warning(fake_h100, tmp_path, content):
+def test_a_corrupt_or_foreign_cache_file_is_ignored_with_a_warning(tmp_path, content):
     jit = _StandInJit()
     key = _disk_key(jit)
     path = tune_cache.entry_path(tmp_path, key)
@@ -308,23 +281,23 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_with_a_warning(fake_h100, tm
         "foreign-key": json.dumps({"key": {**key, "gpu": "NVIDIA H200"}, "pick": candidate}),
         "stray-pick": json.dumps({"key": key, "pick": {**candidate, "BLOCK_M": 256}}),
     }[content])
-    tuner = _RecordingTuner()
+    timer = _RecordingTimer()
     with pytest.warns(UserWarning, match=re.escape(f"ignoring the tuning cache file {path}")):
-        picked = _launch(_launcher(tmp_path, tuner), jit)
-    assert len(tuner.calls) == 1
+        picked = _pick(_tuner(tmp_path, timer, jit))
+    assert len(timer.calls) == 1
     assert json.loads(path.read_text())["pick"] == {"BLOCK_M": picked.BLOCK_M, "BLOCK_N": picked.BLOCK_N,
                                                     "num_warps": picked.num_warps, "num_stages": picked.num_stages}
 
 
-def test_an_unwritable_cache_folder_warns_and_keeps_the_pick_for_the_process(fake_h100, tmp_path):
+def test_an_unwritable_cache_folder_warns_and_keeps_the_pick_for_the_process(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    jit, tuner = _StandInJit(), _RecordingTuner()
-    launcher = _launcher(blocker / "autotune", tuner)
+    timer = _RecordingTimer()
+    tuner = _tuner(blocker / "autotune", timer)
     with pytest.warns(UserWarning) as record:
-        picked = _launch(launcher, jit)
+        picked = _pick(tuner)
     assert any("cannot write the tuning cache" in str(w.message) for w in record)
-    assert _launch(launcher, jit) == picked and len(tuner.calls) == 1
+    assert _pick(tuner) == picked and len(timer.calls) == 1
 
 
 def test_the_cache_folder_follows_xdg_cache_home(monkeypatch, tmp_path):
@@ -375,39 +348,37 @@ def _notices(text: str, what: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(f"nanoflash: {what}")]
 
 
-def test_a_long_tune_says_what_and_where_once_per_key(fake_h100, tmp_path, capsys):
-    jit = _StandInJit()
-    launcher = _launcher(tmp_path, _RecordingTuner(), notice_after_s=0.0)
-    _launch(launcher, jit)
-    _launch(launcher, jit)
+def test_a_long_tune_says_what_and_where_once_per_key(tmp_path, capsys):
+    tuner = _tuner(tmp_path, _RecordingTimer(), notice_after_s=0.0)
+    _pick(tuner)
+    _pick(tuner)
     [line] = _notices(capsys.readouterr().err, "tuning")
     path = next(tmp_path.iterdir())
     assert line == (f"nanoflash: tuning the forward kernel for bfloat16, D=128, T<=1024: compiling and timing 2 "
                     f"configs, once per GPU and shape; the pick will be cached at {path}")
-    _launch(launcher, jit, T=3000)
+    _pick(tuner, T=3000)
     assert len(_notices(capsys.readouterr().err, "tuning")) == 1  # a new key: one more line
 
 
-def test_a_quick_tune_or_compile_says_nothing(fake_h100, tmp_path, capsys):
-    _launch(_launcher(tmp_path, _RecordingTuner()), _StandInJit())
+def test_a_quick_tune_or_compile_says_nothing(tmp_path, capsys):
+    _pick(_tuner(tmp_path, _RecordingTimer()))
     assert _notices(capsys.readouterr().err, "") == []
 
 
-def test_a_long_first_compile_says_so_once_per_variant(fake_h100, tmp_path, capsys):
-    jit = _StandInJit()
-    launcher = launch.Launcher(autotune=False, replay=False, notice_after_s=0.0)
-    _launch(launcher, jit, D=64)
-    _launch(launcher, jit, D=64)
+def test_a_long_first_compile_says_so_once_per_key(tmp_path, capsys):
+    tuner = _tuner(tmp_path, _RecordingTimer(), notice_after_s=0.0)
+    _pick(tuner, D=64)
+    _pick(tuner, D=64)
     assert _notices(capsys.readouterr().err, "compiling") == [
         "nanoflash: compiling the forward kernel for bfloat16, D=64 (64x64, 4 warps, 3 stages); "
         "once per shape, Triton keeps the binary"]
-    _launch(launcher, jit, D=32)
+    _pick(tuner, D=32)
     assert len(_notices(capsys.readouterr().err, "compiling")) == 1
 
 
 @pytest.mark.parametrize("after_s,said", [(0.0, True), (60.0, False)])
 def test_slow_notice_speaks_once_and_only_when_slow(capsys, after_s, said):
-    with launch.SlowNotice(after_s, "nanoflash: slow") as notice:
+    with tuning.SlowNotice(after_s, "nanoflash: slow") as notice:
         pass
     assert notice.said is said
     if said:
@@ -415,59 +386,49 @@ def test_slow_notice_speaks_once_and_only_when_slow(capsys, after_s, said):
     assert capsys.readouterr().err == ("nanoflash: slow\n" if said else "")
 
 
-def test_a_forced_family_launches_and_keys_its_own_configs(fake_h100, tmp_path):
-    jit, tuner = _StandInJit(), _RecordingTuner()
-    launcher = _launcher(tmp_path, tuner, family="consumer")
-    assert _launch(launcher, jit) == configs.HALF_CONFIGS[("consumer", 128)]["fwd"][0]
-    assert tuner.calls == []
-    launcher.family = None
-    _launch(launcher, jit)
-    assert len(tuner.calls) == 1  # the H100's own two candidates, under another key
-
-
-def test_a_forced_family_has_plans_of_its_own():
-    buf = torch.zeros(16)
-    launcher = launch.Launcher(autotune=True, replay=True)
-    own = launcher.plan_key("fwd", (buf, None), (2, 8))
-    launcher.family = "consumer"
-    assert launcher.plan_key("fwd", (buf, None), (2, 8)) != own
+def test_a_consumer_card_gets_the_consumer_configs(tmp_path):
+    timer = _RecordingTimer()
+    assert _pick(_tuner(tmp_path, timer, gpu=H100.as_family("consumer"))) == \
+        configs.HALF_CONFIGS[("consumer", 128)]["fwd"][0]
+    assert timer.calls == []
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the consumer-card configs forced on this GPU, and a real tune read back from disk.
+# GPU: the consumer-card configs on this GPU, and a real tune read back from disk.
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("D", [32, 64, 80, 128, 256])
-def test_consumer_configs_forced_on_this_gpu_are_correct_cuda(monkeypatch, tmp_path, dtype, D):
-    """What a ~100 KB card launches, launched here through the ordinary (autotuned) path."""
+def test_consumer_configs_on_this_gpu_are_correct_cuda(dtype, D):
+    """What a ~100 KB card launches (its first candidates), launched here."""
     from test_flash_kernel import Case, check_case
 
-    monkeypatch.setattr(launch.LAUNCHER, "autotune", True)
-    monkeypatch.setattr(launch.LAUNCHER, "family", "consumer")
-    monkeypatch.setattr(launch.LAUNCHER, "cache_dir", tmp_path)
-    monkeypatch.setattr(launch.LAUNCHER, "tuned", {})
-    monkeypatch.setattr(launch.LAUNCHER, "plans", {})
-    check_case(Case(2, 300, 4, 2, D, dtype))
     consumer = configs.describe_device(torch.cuda.current_device()).as_family("consumer")
-    for key, cfg in launch.LAUNCHER.tuned.items():
-        assert cfg in configs.shortlist(key[0], consumer, dtype.itemsize, _block_d(D))
+    tiles = {kind: configs.shortlist(kind, consumer, dtype.itemsize, _block_d(D))[0] for kind in configs.KINDS}
+    check_case(Case(2, 300, 4, 2, D, dtype), tiles=tiles)
 
 
 @gpu
 @pytest.mark.gpu
 def test_a_real_tune_is_read_back_without_timing_cuda(monkeypatch, tmp_path):
+    """Fresh tuners with the real kernels (what a new process has): the first tunes and stores,
+    the second reads the picks back and times nothing."""
     from test_flash_kernel import BF16, Case, check_case
 
-    def no_tuning(*args):
-        raise AssertionError("tuned although the pick was on disk")
+    def fresh(timer=tuning.time_configs):
+        made = {}
+        for module, name in ((forward, "FWD"), (backward, "DQ"), (backward, "DKDV")):
+            old = getattr(module, name)
+            made[name] = tuning.Tuner(old.kind, old.jit, old.resident, timer=timer, cache_dir=tmp_path)
+            monkeypatch.setattr(module, name, made[name])
+        return made
 
-    for attr, value in (("autotune", True), ("cache_dir", tmp_path), ("tuned", {}), ("plans", {})):
-        monkeypatch.setattr(launch.LAUNCHER, attr, value)
+    def no_timing(*args):
+        raise AssertionError("timed although the pick was on disk")
+
+    first = fresh()
     check_case(Case(2, 300, 4, 2, 128, BF16))
-    picks = dict(launch.LAUNCHER.tuned)
     assert len(list(tmp_path.iterdir())) == 2  # forward and dQ have two candidates at D=128
-    for attr, value in (("tuned", {}), ("plans", {}), ("tuner", no_tuning)):
-        monkeypatch.setattr(launch.LAUNCHER, attr, value)
+    second = fresh(no_timing)
     check_case(Case(2, 300, 4, 2, 128, BF16))
-    assert launch.LAUNCHER.tuned == picks
+    assert all(second[name].picks == first[name].picks for name in first)

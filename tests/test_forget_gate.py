@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from conftest import check_a_short_run_learns, tiny_config
+from conftest import check_a_short_run_learns, emulated, tiny_config
 from errors import UserError
 from kernels.flash_attention.reference import attention_ref
 from model import GPT, ModelConfig
@@ -200,8 +200,7 @@ def test_pos_none_with_the_gate_tells_positions_apart():
 def test_a_gated_run_without_positions_trains_with_every_backend(tmp_path, data_cache, name):
     """model.gate=forget, model.pos=none: every loss finite and the loss falls. fp32 on CPU; flash
     there runs under Triton's interpreter, so for 6 steps of 4 sequences."""
-    interpreted = name == "flash" and not CUDA
-    steps, batch, drop = (6, 4, 0.2) if interpreted else (20, 8, 0.3)
+    steps, batch, drop = (6, 4, 0.2) if emulated(name) else (20, 8, 0.3)
     check_a_short_run_learns(tmp_path, data_cache, name, steps, batch, drop, gate="forget", pos="none")
 
 

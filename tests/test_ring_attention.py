@@ -16,10 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import device_for, emulated
+from errors import UserError
 from gloo import on_gloo_ranks
-from model.attention import sdpa
+from model.attention import BACKENDS, ring_backends, ring_step, sdpa
 from model.attention.ring import merge_block, ring_attention
-from model.attention.ring_steps import RING_BACKENDS, accumulation_dtype, ring_step_attention
+from model.attention.ring_steps import accumulation_dtype
 from model.attention.zigzag import zigzag_positions, zigzag_shard, zigzag_unshard
 
 CUDA = torch.cuda.is_available()
@@ -58,11 +60,13 @@ def test_a_length_not_divisible_by_2n_says_so():
         zigzag_shard(torch.zeros(1, 20), 0, 4)
 
 
-def test_a_backend_without_a_ring_step_names_those_with_one():
-    assert RING_BACKENDS == ("naive", "sdpa", "flash")
-    with pytest.raises(ValueError, match=r"attention=hybrid does not run under context parallelism \(ring "
-                                         r"attention\); use attention=naive, sdpa or flash"):
-        ring_step_attention("hybrid")
+@pytest.mark.parametrize("backend", [name for name, row in BACKENDS.items() if row.ring_step is None])
+def test_a_backend_without_a_ring_step_names_those_with_one(backend):
+    able = ring_backends()
+    assert able and all(BACKENDS[name].ring_step for name in able)
+    with pytest.raises(UserError, match=rf"^attention={backend} does not run under context parallelism \(ring "
+                                        rf"attention\); use attention={', '.join(able[:-1])} or {able[-1]}$"):
+        ring_step(backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +108,7 @@ def max_err(a, b):
 def check_step(backend, dtype, device, layout, B=2, c=8, H=4, HKV=2, D=16):
     """The step's blocks merged = the attention over all of them; their backwards (with the merged
     o and lse) add up to its gradients."""
-    step = ring_step_attention(backend)
+    step = ring_step(backend)
     q_chunks, key_chunks = LAYOUTS[layout]
     pieces = [(n * c, causal) for n, causal in key_chunks]
     g = torch.Generator().manual_seed(0)
@@ -148,9 +152,10 @@ def check_step(backend, dtype, device, layout, B=2, c=8, H=4, HKV=2, D=16):
     assert not failures, f"{backend} {DT_NAME[dtype]} {layout}: " + "; ".join(failures)
 
 
-CPU_STEPS = [("naive", F64), ("naive", F32), ("sdpa", F64), ("sdpa", F32)]
-if not CUDA:  # our kernel on CPU tensors runs only under the interpreter conftest.py sets up here
-    CPU_STEPS.append(("flash", F32))
+# Every ring backend that runs on the CPU here: fp64 and fp32, or fp32 only emulated (flash under
+# the interpreter conftest.py sets up, when there is no GPU).
+CPU_STEPS = [(name, dtype) for name in ring_backends() if device_for(name) == "cpu"
+             for dtype in ((F32,) if emulated(name) else (F64, F32))]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -163,18 +168,18 @@ def test_ring_step_blocks_add_up_to_the_attention_over_all_keys(backend, dtype, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=DT_NAME.get)
-@pytest.mark.parametrize("backend", RING_BACKENDS)
+@pytest.mark.parametrize("backend", ring_backends())
 def test_ring_step_blocks_add_up_to_the_attention_over_all_keys_cuda(backend, dtype, layout):
     check_step(backend, dtype, "cuda", layout, c=128, D=64)
 
 
-@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("backend", [name for name in ring_backends() if not emulated(name) and device_for(name) == "cpu"])
 def test_a_ring_of_one_is_plain_causal_attention(backend):
     g = torch.Generator().manual_seed(1)
     q, do = torch.randn(2, 9, 4, 6, generator=g, dtype=F64), torch.randn(2, 9, 4, 6, generator=g, dtype=F64)
     k, v = (torch.randn(2, 9, 2, 6, generator=g, dtype=F64) for _ in range(2))
     results = []
-    for attend in (lambda *x: ring_attention(*x, None, ring_step_attention(backend)), sdpa.attend):
+    for attend in (lambda *x: ring_attention(*x, None, ring_step(backend)), sdpa.attend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = attend(*leaves)
         results.append((o, *torch.autograd.grad(o, leaves, do)))
@@ -191,7 +196,7 @@ def test_a_ring_of_one_with_flash_is_the_kernel_bit_for_bit_cuda():
     q, do = (torch.randn(2, 1024, 8, 64, device="cuda", generator=g, dtype=BF16) for _ in range(2))
     k, v = (torch.randn(2, 1024, 2, 64, device="cuda", generator=g, dtype=BF16) for _ in range(2))
     results = []
-    for attend in (lambda *x: ring_attention(*x, None, ring_step_attention("flash")), flash_attn):
+    for attend in (lambda *x: ring_attention(*x, None, ring_step("flash")), flash_attn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = attend(*leaves)
         results.append((o, *torch.autograd.grad(o, leaves, do)))
@@ -244,7 +249,7 @@ def _ring_errors(case, group, rank):
     g = torch.Generator().manual_seed(0)
     q, do = (torch.randn(case.B, case.T, case.H, case.D, generator=g, dtype=case.dtype) for _ in range(2))
     k, v = (torch.randn(case.B, case.T, case.HKV, case.D, generator=g, dtype=case.dtype) for _ in range(2))
-    step = ring_step_attention(case.backend)
+    step = ring_step(case.backend)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     o = ring_attention(*whole, None, step)
     one_process = (o, *torch.autograd.grad(o, whole, do))
@@ -258,7 +263,7 @@ def _ring_errors(case, group, rank):
 def _odd_shard_error(group):
     x = torch.zeros(1, 5, 2, 4)
     try:
-        ring_attention(x, x, x, group, ring_step_attention("naive"))
+        ring_attention(x, x, x, group, ring_step("naive"))
     except ValueError as err:
         return str(err)
     return "no error"

@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
-from model.attention import check_options, validate_attention
+from model.attention import check_features, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
@@ -57,7 +57,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 where supported, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: Any = False  # true: the whole model one graph | blocks: each block (one graph shared, compiled once) | false
-    cuda_graph: Any = False  # true | false | auto: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
+    cuda_graph: Any = "auto"  # auto | true | false: replay each optimizer step as one CUDA graph (CUDA, bf16/fp32, one process)
     max_steps: int = 500
     batch_size: Any = 32  # sequences per micro-batch, or auto: the largest that fits in GPU memory (scripts/fit.py)
     grad_accum: int = 1
@@ -105,16 +105,28 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
+def features_in_use(cfg: TrainConfig) -> dict:
+    """{feature of model/attention's FEATURES: the setting that asks for it} for what ``cfg`` turns on
+    beyond plain causal attention; the backend's row must say it computes each."""
+    wanted = {}
+    if cfg.attention.window is not None:
+        wanted["window"] = f"attention.window={cfg.attention.window}"
+    if cfg.model.attention_dropout_p > 0:
+        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
+        wanted["dropout"] = f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"
+    if cfg.model.gate != "none":
+        wanted["gate"] = f"model.gate={cfg.model.gate}"
+    if cfg.data.document_mask:
+        wanted["documents"] = "data.document_mask=true"
+    return wanted
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every value the type system cannot; raise UserError naming the option and the fix."""
     validate_model(cfg.model)
     validate_attention(cfg.attention)
-    if cfg.model.attention_dropout_p > 0:
-        setting = "model.dropout" if cfg.model.attention_dropout is None else "model.attention_dropout"
-        check_options(cfg.attention.name, {"dropout_p": f"{setting}={cfg.model.attention_dropout_p} (attention dropout)"})
-    if cfg.model.gate != "none":
-        check_options(cfg.attention.name, {"g": f"model.gate={cfg.model.gate}"})
     validate_data(cfg.data)
+    check_features(cfg.attention.name, features_in_use(cfg))
     o, t = cfg.optim, cfg.trainer
     check_choice("optim", o.name, OPTIMIZERS)
     check_choice("optim.schedule", o.schedule, SCHEDULES)

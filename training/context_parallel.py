@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from errors import UserError, check_positive
-from model.attention.ring_steps import ring_step_attention
+from model.attention import ring_step
 from model.attention.zigzag import zigzag_positions, zigzag_shard
 
 
@@ -51,8 +51,8 @@ def check_options(cfg) -> None:
         raise UserError(f"{cp} runs under torchrun with trainer.distributed=ddp or fsdp: torchrun "
                         f"--nproc_per_node={n} train.py trainer.distributed=ddp {cp} ...")
     try:
-        ring_step_attention(cfg.attention.name)
-    except ValueError as err:
+        ring_step(cfg.attention.name)
+    except UserError as err:
         raise UserError(f"{err} (or trainer.context_parallel=1)") from err
     if cfg.attention.window is not None:
         raise UserError(f"attention.window={cfg.attention.window} does not run under {cp} (ring attention is "

@@ -1,4 +1,4 @@
-"""The whole optimizer step as one CUDA graph (``trainer.cuda_graph=true``).
+"""The whole optimizer step as one CUDA graph (``trainer.cuda_graph``: auto, the default, or true).
 
 A step launches several hundred kernels: forward and backward for each micro-batch, the gradient
 norm, AdamW. Launched one by one from Python, the GPU idles between some of them; replayed from a
@@ -10,7 +10,8 @@ step copies its batches into those buffers, sets the learning rate and replays.
 What a captured step cannot do is anything that needs the host inside the step: the document mask
 (its boundaries are read on the host), several processes (their collectives) and the fp16 grad
 scaler's skip-and-rescale are refused up front (``use_cuda_graph``); ``trainer.cuda_graph=auto``
-captures where it can and runs uncaptured elsewhere.
+(the default) captures where it can and runs uncaptured elsewhere, saying why on a GPU and nothing
+on a CPU, where there is nothing to capture.
 """
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -42,13 +43,15 @@ def use_cuda_graph(setting, device: torch.device, dtype: torch.dtype, distribute
     """Whether to capture, for ``trainer.cuda_graph`` = true, false or auto.
 
     true where it cannot be done raises UserError naming the way out; auto captures where it can
-    and otherwise says why not and runs uncaptured.
+    and otherwise runs uncaptured, saying why unless the device is not a GPU at all.
     """
     if not setting:
         return False
     reason = unsupported_reason(device, dtype, distributed, document_mask)
     if reason is None:
         return True
+    if setting == "auto" and device.type != "cuda":
+        return False
     if setting == "auto":
         print(f"trainer.cuda_graph=auto: steps run uncaptured, as {reason}")
         return False

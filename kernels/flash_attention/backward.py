@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from .dropout import dropout_keep, dropout_threshold, load_rng
-from .forward import LOG2E, _dot, _load_rows, seq_layout
+from .forward import LOG2E, _dot, _load_rows
 from .gate import gate_cumsum, gate_grad, gate_offsets, gate_reference
-from .launch import LAUNCHER, Kernel, next_power_of_2
+from .tuning import Tuner, next_power_of_2
 
 
 @triton.jit
@@ -131,7 +131,6 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_dot, stride_doh,
     stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh,
-    T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
@@ -303,7 +302,6 @@ def _attn_bwd_dq_kernel(
     stride_ob, stride_ot, stride_oh,
     stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh,
-    T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DLSE: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
@@ -418,8 +416,8 @@ def _attn_bwd_dq_kernel(
              mask=m_mask[:, None] & d_mask[None, :])
 
 
-DKDV = Kernel("dkdv", _attn_bwd_dkdv_kernel, resident="BLOCK_N")
-DQ = Kernel("dq", _attn_bwd_dq_kernel, resident="BLOCK_M")
+DKDV = Tuner("dkdv", _attn_bwd_dkdv_kernel, resident="BLOCK_N")
+DQ = Tuner("dq", _attn_bwd_dq_kernel, resident="BLOCK_M")
 
 
 def attn_bwd(
@@ -431,102 +429,60 @@ def attn_bwd(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    window: int,
-    cu_seqlens: torch.Tensor | None,
+    window: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
     dlse: torch.Tensor | None = None,
     rng: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     g: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    tiles: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of the attention output (and optionally of its lse) wrt q, k, v and the gate g.
+    """Launch the dQ kernel, then the dK/dV kernel (and with a gate the scan that makes dg).
 
     do, q, o: (B, T, H, D); k, v: (B, T, H_kv, D); lse, dlse: (B, H, T) float32, natural log;
     last dims contiguous (a do whose last dim is not is copied: autograd may hand one over).
-    rng, dropout_p: the forward's dropout RNG state and probability (its mask is regenerated).
-    g: the forward's (B, T, H) float32 log forget gates, or None.
-    Returns dq (like q), dk (like k), dv (like v): new contiguous tensors, or ``out`` = (dq, dk, dv)
-    written in place (any T and H strides, last dim contiguous; the packed-QKV op passes three
-    views of one gradient buffer); and dg: (B, T, H) float32, or None without a gate.
+    cu_seqlens, max_seqlen, rng, dropout_p, g: the forward's (its dropout mask is regenerated).
+    out: None (new contiguous dq like q, dk like k, dv like v), or (dq, dk, dv) to write in place
+    (any T and H strides, last dim contiguous: the packed layout passes three views of one
+    gradient buffer). tiles: None (the tuners' picks) or {"dq": TileConfig, "dkdv": TileConfig}.
+    Returns dq, dk, dv and dg: (B, T, H) float32, or None without a gate.
     """
     if do.stride(-1) != 1:
         do = do.contiguous()
     B, T, H, D = q.shape
     H_kv = k.shape[2]
-    if out is None:
-        out = (torch.empty((B, T, H, D), dtype=q.dtype, device=q.device),
-               torch.empty((B, T, H_kv, D), dtype=k.dtype, device=k.device),
-               torch.empty((B, T, H_kv, D), dtype=v.dtype, device=v.device))
-    dq, dk, dv = out
-    n_seq, max_len = seq_layout(q, cu_seqlens)
+    dq, dk, dv = out if out is not None else (q.new_empty((B, T, H, D)), k.new_empty((B, T, H_kv, D)),
+                                              v.new_empty((B, T, H_kv, D)))
+    n_seq, max_len = (B, T) if cu_seqlens is None else (cu_seqlens.shape[0] - 1, max_seqlen)
     if n_seq == 0 or max_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), None if g is None else torch.zeros_like(g)
-    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by dQ kernel
+    delta = q.new_empty((B, H, T), dtype=torch.float32)  # written by the dQ kernel
     if g is not None:
         c_hi, c_lo = gate_cumsum(g)
-        dc = torch.empty((B, H, T), dtype=torch.float32, device=q.device)  # written by both kernels
+        dc = q.new_empty((B, H, T), dtype=torch.float32)  # written by both kernels
     else:
         c_hi = c_lo = dc = None
     if dlse is not None:  # d lse_i / d s_ij = P_ij: dS gains P * dlse, i.e. delta -= dlse
         dlse = dlse.float().contiguous()
-    rng = rng if dropout_p > 0 else None
-    options = (softmax_scale, causal, window, dropout_p)
-    layout = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
-              dq.stride(), dk.stride(), dv.stride(), *options, n_seq, max_len)
-    dq_pointers = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc)
-    dq_plan = LAUNCHER.plan_key("dq", dq_pointers, *layout)
-    if not LAUNCHER.relaunch(dq_plan, dq_pointers):
-        _launch_dq(dq_pointers, options, n_seq, max_len, dq_plan)
-    dkdv_pointers = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc)
-    dkdv_plan = LAUNCHER.plan_key("dkdv", dkdv_pointers, *layout)
-    if not LAUNCHER.relaunch(dkdv_plan, dkdv_pointers):
-        _launch_dkdv(dkdv_pointers, options, n_seq, max_len, dkdv_plan)
-    return dq, dk, dv, None if dc is None else gate_grad(dc, cu_seqlens)
-
-
-def _common_ints(q, k, v, do, causal: bool, window: int, dropout_p: float, max_len: int, cu_seqlens) -> dict:
-    """Launch integers both backward kernels take (sizes, shared strides, flags)."""
-    B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
-    sq, sk, sv, sdo = q.stride(), k.stride(), v.stride(), do.stride()
-    return dict(T=T, H=H, G=H // k.shape[2], WINDOW=window, DROPOUT_THRESHOLD=dropout_threshold(dropout_p),
-                stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
-                stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
-                stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
-                stride_dob=sdo[0], stride_dot=sdo[1], stride_doh=sdo[2],
-                T_BUCKET=next_power_of_2(max_len), HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
-                IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-                HAS_DROPOUT=dropout_p > 0, IEEE=q.dtype == torch.float32)
+    scalars = (softmax_scale * LOG2E, softmax_scale, 1.0 / (1.0 - dropout_p), T, H, H // H_kv, window,
+               dropout_threshold(dropout_p), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d, IS_CAUSAL=causal, HAS_WINDOW=window > 0,
+                      IS_VARLEN=cu_seqlens is not None, HAS_DROPOUT=dropout_p > 0, HAS_GATE=g is not None,
+                      IEEE=q.dtype == torch.float32)
 
+    dq_args = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
+               *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3])
+    dq_constexprs = {**constexprs, "HAS_DLSE": dlse is not None}
+    grid_yz = (n_seq, H)
+    cfg = tiles["dq"] if tiles else DQ.pick(q.device, q.dtype, max_len, grid_yz, dq_args, dq_constexprs)
+    _attn_bwd_dq_kernel[DQ.grid(cfg, max_len, grid_yz)](*dq_args, **dq_constexprs, **cfg.options)
 
-def _scales(softmax_scale: float, dropout_p: float) -> dict:
-    return dict(qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, dropout_scale=1.0 / (1.0 - dropout_p))
-
-
-def _launch_dq(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
-    """Build the dQ kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
-    window, dropout_p), launch it (and record ``plan``)."""
-    q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc = pointers
-    softmax_scale, causal, window, dropout_p = options
-    ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
-    so, sdq = o.stride(), dq.stride()
-    ints.update(stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
-                stride_dqb=sdq[0], stride_dqt=sdq[1], stride_dqh=sdq[2], HAS_DLSE=dlse is not None,
-                HAS_GATE=c_hi is not None)
-    names = ("Q", "K", "V", "O", "DO", "LSE", "DLSE", "DELTA", "DQ", "CU_SEQLENS", "RNG", "C_HI", "C_LO", "DC")
-    LAUNCHER.launch(DQ, max_len, (n_seq, q.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
-                    ints, q.device, plan)
-
-
-def _launch_dkdv(pointers: tuple, options: tuple, n_seq: int, max_len: int, plan: tuple | None) -> None:
-    """Build the dK/dV kernel's arguments from its tensors and ``options`` (softmax_scale, causal,
-    window, dropout_p), launch it (and record ``plan``)."""
-    q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc = pointers
-    softmax_scale, causal, window, dropout_p = options
-    ints = _common_ints(q, k, v, do, causal, window, dropout_p, max_len, cu_seqlens)
-    sdk, sdv = dk.stride(), dv.stride()
-    ints.update(stride_dkb=sdk[0], stride_dkt=sdk[1], stride_dkh=sdk[2],
-                stride_dvb=sdv[0], stride_dvt=sdv[1], stride_dvh=sdv[2], HAS_GATE=dc is not None)
-    names = ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CU_SEQLENS", "RNG", "C_HI", "C_LO", "DC")
-    LAUNCHER.launch(DKDV, max_len, (n_seq, k.shape[2]), dict(zip(names, pointers)), _scales(softmax_scale, dropout_p),
-                    ints, q.device, plan)
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
+                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+    grid_yz = (n_seq, H_kv)
+    cfg = tiles["dkdv"] if tiles else DKDV.pick(q.device, q.dtype, max_len, grid_yz, dkdv_args, constexprs)
+    _attn_bwd_dkdv_kernel[DKDV.grid(cfg, max_len, grid_yz)](*dkdv_args, **constexprs, **cfg.options)
+    return dq, dk, dv, None if dc is None else gate_grad(dc, cu_seqlens)

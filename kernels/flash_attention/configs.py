@@ -10,7 +10,7 @@ size (fp16/bf16, or fp32) and the padded head dim (``BLOCK_D``; 16 shares the ro
 hold one config, launched without tuning. Two rows hold two: Hopper, fp16/bf16, D in (64, 128],
 forward and dQ, where the H100's autotuner picked different configs at different lengths (forward
 64x64 up to T=2048 and 128x64 from 4096 or 8192 on; dQ 128x64 up to 8192 and 64x32 at 16384, in
-the bench runs of 2026-11-23, docs/runs/bench_flash_*.json). ``launch.py`` times those once per
+the bench runs of 2026-11-23, docs/runs/bench_flash_*.json). ``tuning.py`` times those once per
 tuning key and keeps the pick on disk (``tune_cache.py``). At D=64 the autotuner picked the same
 three configs at every length it ran (1024, 2048), so that row holds one each.
 
@@ -30,7 +30,7 @@ at most 512 (256 in the four-dot dK/dV kernel), with one stage.
 Every row fits its family's shared memory (a test checks the estimate); :func:`filter_configs`
 still drops what does not fit the device at hand (a card with less than its family's budget, or
 a family forced on another card: ``Device.as_family``). Under ``TRITON_INTERPRET=1`` (CPU) one
-small config per kernel is used.
+small config per kernel is used; :func:`interpreting` is where nanoflash reads that variable.
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ class TileConfig:
 
     def __str__(self) -> str:
         return f"{self.BLOCK_M}x{self.BLOCK_N}, {self.num_warps} warps, {self.num_stages} stages"
+
+    @functools.cached_property
+    def options(self) -> dict:
+        """The launch's keyword arguments of this config: ``kernel[grid](*args, **cfg.options)``."""
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
 
 
 def _t(bm: int, bn: int, w: int, s: int) -> TileConfig:
@@ -125,7 +131,8 @@ class Device:
         return Device(self.name, family, min(self.max_shared_mem, FAMILY_SMEM[family]))
 
 
-def is_interpreter() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -218,10 +225,3 @@ def describe_device(index: int) -> Device:
         family = "consumer"
     return Device(torch.cuda.get_device_name(index), family, max_smem)
 
-
-def default_config(kind: str, device, block_d: int, elem_bytes: int, family: str | None = None) -> TileConfig:
-    """The config launched without tuning on torch device ``device`` (the interpreter's on CPU):
-    the first of :func:`shortlist`, for ``family``'s configs when given."""
-    if is_interpreter() or device.type != "cuda":
-        return INTERPRET_CONFIGS[kind]
-    return shortlist(kind, describe_device(device.index or 0).as_family(family), elem_bytes, block_d)[0]

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .dropout import dropout_keep, dropout_threshold, load_rng
 from .gate import gate_cumsum, gate_offsets, gate_reference
-from .launch import LAUNCHER, Kernel, next_power_of_2
+from .tuning import Tuner, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -123,7 +123,6 @@ def _attn_fwd_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
-    T_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
@@ -232,16 +231,7 @@ def _attn_fwd_kernel(
     tl.store(lse_ptrs, lse, mask=m_mask)
 
 
-FWD = Kernel("fwd", _attn_fwd_kernel, resident="BLOCK_M")
-
-
-def seq_layout(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int]:
-    """(number of sequences on grid axis 1, longest sequence length) of a batch."""
-    if cu_seqlens is None:
-        return q.shape[0], q.shape[1]
-    n = cu_seqlens.numel() - 1
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if n > 0 else 0
-    return n, max_len
+FWD = Tuner("fwd", _attn_fwd_kernel, resident="BLOCK_M")
 
 
 def attn_fwd(
@@ -250,55 +240,41 @@ def attn_fwd(
     v: torch.Tensor,
     softmax_scale: float,
     causal: bool,
-    window: int,
-    cu_seqlens: torch.Tensor | None,
+    window: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
     rng: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     g: torch.Tensor | None = None,
+    tiles: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward kernel.
+    """Launch the forward kernel.
 
-    q: (B, T, H, D); k, v: (B, T, H_kv, D) with last dim contiguous; window 0 means none;
+    q: (B, T, H, D); k, v: (B, T, H_kv, D), last dims contiguous; window 0 means none;
+    cu_seqlens: None, or (N+1,) int32 document boundaries with ``max_seqlen`` the longest document;
     rng: the (2,) int64 dropout RNG state (``dropout.draw_dropout_rng``), used when dropout_p > 0;
-    g: None or (B, T, H) float32 log forget gates (``gate.py``).
+    g: None or (B, T, H) float32 log forget gates (``gate.py``); tiles: None (the tuner's pick),
+    or {"fwd": TileConfig} to launch that config.
     Returns o: (B, T, H, D) contiguous, q.dtype; lse: (B, H, T) float32, natural log (un-dropped).
     """
     B, T, H, D = q.shape
-    o = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    n_seq, max_len = seq_layout(q, cu_seqlens)
+    o = q.new_empty((B, T, H, D))
+    lse = q.new_empty((B, H, T), dtype=torch.float32)
+    n_seq, max_len = (B, T) if cu_seqlens is None else (cu_seqlens.shape[0] - 1, max_seqlen)
     if n_seq == 0 or max_len == 0:
         return o, lse
     c_hi, c_lo = gate_cumsum(g) if g is not None else (None, None)
-    pointers = (q, k, v, o, lse, cu_seqlens, rng if dropout_p > 0 else None, c_hi, c_lo)
-    plan = LAUNCHER.plan_key("fwd", pointers, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
-                             softmax_scale, causal, window, dropout_p, n_seq, max_len)
-    if not LAUNCHER.relaunch(plan, pointers):
-        _launch_fwd(pointers, softmax_scale, causal, window, dropout_p, n_seq, max_len, plan)
-    return o, lse
-
-
-def _launch_fwd(pointers: tuple, softmax_scale: float, causal: bool, window: int, dropout_p: float,
-                n_seq: int, max_len: int, plan: tuple | None) -> None:
-    """Build the forward kernel's arguments from its tensors and launch it (and record ``plan``)."""
-    q, k, v, o, lse, cu_seqlens, _, c_hi, _ = pointers
-    B, T, H, D = q.shape
     block_d = max(16, next_power_of_2(D))
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), o.stride()
-    ints = dict(
-        T=T, H=H, G=H // k.shape[2], WINDOW=window, DROPOUT_THRESHOLD=dropout_threshold(dropout_p),
-        stride_qb=sq[0], stride_qt=sq[1], stride_qh=sq[2],
-        stride_kb=sk[0], stride_kt=sk[1], stride_kh=sk[2],
-        stride_vb=sv[0], stride_vt=sv[1], stride_vh=sv[2],
-        stride_ob=so[0], stride_ot=so[1], stride_oh=so[2],
-        T_BUCKET=next_power_of_2(max_len),
-        HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d,
-        IS_CAUSAL=causal, HAS_WINDOW=window > 0, IS_VARLEN=cu_seqlens is not None,
-        HAS_DROPOUT=dropout_p > 0, HAS_GATE=c_hi is not None, IEEE=q.dtype == torch.float32,
-    )
-    names = ("Q", "K", "V", "O", "LSE", "CU_SEQLENS", "RNG", "C_HI", "C_LO")
-    LAUNCHER.launch(FWD, max_len, (n_seq, H), dict(zip(names, pointers)),
-                    dict(qk_scale=softmax_scale * LOG2E, dropout_scale=1.0 / (1.0 - dropout_p)), ints, q.device, plan)
+    args = (q, k, v, o, lse, cu_seqlens, rng, c_hi, c_lo,
+            softmax_scale * LOG2E, 1.0 / (1.0 - dropout_p), T, H, H // k.shape[2], window, dropout_threshold(dropout_p),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3])
+    constexprs = dict(HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d, IS_CAUSAL=causal, HAS_WINDOW=window > 0,
+                      IS_VARLEN=cu_seqlens is not None, HAS_DROPOUT=dropout_p > 0, HAS_GATE=g is not None,
+                      IEEE=q.dtype == torch.float32)
+    grid_yz = (n_seq, H)
+    cfg = tiles["fwd"] if tiles else FWD.pick(q.device, q.dtype, max_len, grid_yz, args, constexprs)
+    _attn_fwd_kernel[FWD.grid(cfg, max_len, grid_yz)](*args, **constexprs, **cfg.options)
+    return o, lse
 
 
 def default_scale(head_dim: int) -> float:

@@ -42,8 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LAUNCHER
-
 SCAN_BLOCK = 1024  # positions per step of the scan kernels' loop along T
 SCAN_WARPS = 4
 
@@ -99,17 +97,11 @@ def _gate_grad_kernel(DC, DG, CU_SEQLENS, T, H, stride_gb, stride_gt, stride_gh,
 def gate_cumsum(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """c * log2(e), c = cumsum(g) along the sequence, as an (hi, lo) pair of float32 (B, H, T)
     tensors laid out like the kernels' lse (hi + lo exact to ~1e-16 relative). g: (B, T, H) float32,
-    any strides. One kernel launch (replayed from a plan after the first call)."""
+    any strides. One kernel launch."""
     B, T, H = g.shape
-    hi = torch.empty((B, H, T), dtype=torch.float32, device=g.device)
-    lo = torch.empty((B, H, T), dtype=torch.float32, device=g.device)
-    pointers = (g, hi, lo)
-    plan = LAUNCHER.plan_key("gate_cumsum", pointers, g.shape, g.stride())
-    if not LAUNCHER.relaunch(plan, pointers):
-        sg = g.stride()
-        LAUNCHER.launch_fixed(_gate_cumsum_kernel, (B, H, 1), dict(G=g, C_HI=hi, C_LO=lo),
-                              dict(T=T, H=H, stride_gb=sg[0], stride_gt=sg[1], stride_gh=sg[2], BLOCK_T=SCAN_BLOCK),
-                              SCAN_WARPS, plan)
+    hi = g.new_empty((B, H, T))
+    lo = g.new_empty((B, H, T))
+    _gate_cumsum_kernel[(B, H, 1)](g, hi, lo, T, H, *g.stride(), BLOCK_T=SCAN_BLOCK, num_warps=SCAN_WARPS)
     return hi, lo
 
 
@@ -117,16 +109,10 @@ def gate_grad(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor
     """dg (B, T, H) float32 from dc (B, H, T) float32: dg_t = sum of dc_s over s >= t in t's
     sequence (batch row, or document of ``cu_seqlens``), accumulated in float64. One kernel launch."""
     B, H, T = dc.shape
-    dg = torch.empty((B, T, H), dtype=torch.float32, device=dc.device)
-    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    pointers = (dc, dg, cu_seqlens)
-    plan = LAUNCHER.plan_key("gate_grad", pointers, dc.shape, n_seq)
-    if not LAUNCHER.relaunch(plan, pointers):
-        sg = dg.stride()
-        LAUNCHER.launch_fixed(_gate_grad_kernel, (n_seq, H, 1), dict(DC=dc, DG=dg, CU_SEQLENS=cu_seqlens),
-                              dict(T=T, H=H, stride_gb=sg[0], stride_gt=sg[1], stride_gh=sg[2],
-                                   IS_VARLEN=cu_seqlens is not None, BLOCK_T=SCAN_BLOCK),
-                              SCAN_WARPS, plan)
+    dg = dc.new_empty((B, T, H))
+    n_seq = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _gate_grad_kernel[(n_seq, H, 1)](dc, dg, cu_seqlens, T, H, *dg.stride(), IS_VARLEN=cu_seqlens is not None,
+                                     BLOCK_T=SCAN_BLOCK, num_warps=SCAN_WARPS)
     return dg
 
 

@@ -5,19 +5,20 @@ was picked::
 
     {"key": {"kernel": "dq", "gpu": "NVIDIA H100 80GB HBM3", "family": "hopper",
              "triton": "3.6.0", "source": "<kernel source hash>", "candidates": [...],
-             "args": {"T_BUCKET": 2048, "HEAD_DIM": 128, ..., "dtypes": [...]}},
+             "dtype": "torch.bfloat16", "T_BUCKET": 2048, "constexprs": {"HEAD_DIM": 128, ...}},
      "pick": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
      "timings_ms": {...}, "seconds": 4.1}
 
-The file name is a hash of the key, and a file is used only when the key stored inside equals
-the key asked for, so a new GPU, Triton version, kernel source or candidate list tunes again. A
+The file name is a hash of the key (``tuning.Tuner.disk_key``), and a file is used only when the key
+stored inside equals the key asked for, so a new GPU, Triton version, kernel source or candidate
+list tunes again. A
 file that cannot be read, is not JSON or holds another key is ignored with a warning. Writes go
 to a temporary file in the same folder, then ``os.replace`` it into place: a concurrent reader
 sees the old file or the new one, never half of one, and concurrent writers of one key (DDP
 ranks tuning together) leave one whole file.
 
 The folder is ``$XDG_CACHE_HOME/nanoflash/autotune`` (``~/.cache/nanoflash/autotune``) unless
-the launcher is given another (``launch.LAUNCHER.cache_dir``; None keeps no files).
+a tuner is given another (``tuning.Tuner(cache_dir=...)``).
 """
 
 from __future__ import annotations

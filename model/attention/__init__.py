@@ -1,31 +1,30 @@
-"""Attention backends: one file each, one table (``BACKENDS``).
+"""Attention backends: one file each, one row each in ``BACKENDS``.
 
 Every backend is a function ``attend(q, k, v, doc_ids=None, **options) -> o`` with q: (B, T, H, D),
 k and v: (B, T, H_kv, D) (grouped-query attention when H_kv < H), doc_ids: (B, T) document index
-or None; causal, scaled by 1/sqrt(D); o: (B, T, H, D). It takes exactly the keyword options its
-row lists: AttentionConfig keys of that name are bound once by ``build_attention``; the others are
-passed by the caller at each call, only when they are in use: ``dropout_p``, the probability of
-dropping each attention probability, which the model passes in training only (model.dropout, or
-model.attention_dropout when set); ``g``, the (B, T, H) float32 log forget gates of
-model.gate=forget, one per token and query head (under GQA too): the scores gain c_i - c_j with
-c = cumsum(g) along the sequence, restarting at each document (masks.py).
+or None; causal, scaled by 1/sqrt(D); o: (B, T, H, D). Its :class:`Backend` row says everything it
+can do, and validation (``training/config.validate``), context parallelism
+(``training/context_parallel.check_options``) and the tests read that row. The options ``attend``
+takes follow from it: ``window`` (bound once by ``build_attention`` from AttentionConfig, like the
+keys in ``tunes``); ``dropout_p``, the probability of dropping each attention probability, which
+the model passes in training only (model.dropout, or model.attention_dropout when set); ``g``, the
+(B, T, H) float32 log forget gates of model.gate=forget, one per token and query head (under GQA
+too): the scores gain c_i - c_j with c = cumsum(g) along the sequence, restarting at each document
+(masks.py). The caller passes the last two only when they are in use.
 
 A backend may also offer a packed variant ``attend_packed(qkv, n_head, doc_ids=None, **options) -> o``
 taking q, k and v side by side in qkv: (B, T, H + 2 * H_kv, D), as the fused projection makes them;
-the model uses it when nothing (RoPE) changes q and k after the projection. flash does: its
-backward then returns qkv's gradient as one tensor instead of three that autograd concatenates.
+the model uses it when nothing (RoPE) changes q and k after the projection. And a ring step
+(``ring_steps.StepAttention``), with which it runs as ring attention under context parallelism
+(``build_attention(..., context=group)``; ring.py): no packed variant then, and no window,
+dropout, forget gate or document masks.
 
-Under context parallelism each sequence is sharded over the N ranks of a process group and a
-backend runs as the per-step attention of ring attention (``build_attention(..., context=group)``;
-model/attention/ring.py, ring_steps.py): naive, sdpa and flash have such a step; there is no packed
-variant then, and no window, dropout or forget gate.
-
-Adding a backend: its file here, one row in ``BACKENDS``, and configs/attention/<name>.yaml.
+Adding a backend: its file here, one row in ``BACKENDS``, and configs/attention/<name>.yaml; the
+tests parametrised over ``BACKENDS`` pick it up (README, "Adding a backend").
 """
 import dataclasses
 import functools
 import importlib
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -36,53 +35,47 @@ import torch.distributed as dist
 from errors import UserError, check_positive
 from model.config import AttentionConfig
 
+# What a row can compute beyond plain causal attention, as the config asks for it: the Backend
+# field that says so, and the keyword option ``attend`` then takes (None: a document mask arrives
+# as doc_ids, which every call may pass).
+FEATURES = {"window": "window", "dropout": "dropout_p", "gate": "g", "documents": None}
+
 
 @dataclass(frozen=True)
 class Backend:
-    """One row of the table. Functions are named ``"module:function"`` and imported when the backend
-    is built, so one whose dependencies are missing (triton) costs nothing until it is chosen."""
+    """One row of the table: everything a backend can do. Functions are named ``"module:name"`` and
+    imported when the backend is built, so one whose dependencies are missing (triton) costs nothing
+    until it is chosen."""
 
     name: str
     attend: str  # attend(q, k, v, doc_ids=None, **options) -> o
     packed: Optional[str] = None  # attend_packed(qkv, n_head, doc_ids=None, **options) -> o
-    options: Tuple[str, ...] = ()  # the keyword options both take
-    unavailable: Optional[Callable[[torch.device], str]] = None  # why it cannot run on a device; "" when it can
+    ring_step: Optional[str] = None  # a ring_steps.StepAttention: runs under trainer.context_parallel > 1
+    window: bool = False  # attention.window: sliding-window causal attention
+    dropout: bool = False  # dropout of the attention probabilities (model.dropout / model.attention_dropout)
+    gate: bool = False  # model.gate=forget: the scores gain c_i - c_j
+    documents: bool = False  # data.document_mask=true: doc_ids keep every document to itself
+    tunes: Tuple[str, ...] = ()  # AttentionConfig keys that only tune it (bound when built; others ignore them)
+    devices: Optional[Tuple[str, ...]] = None  # the device types it runs on (None: any torch device)
+    unavailable: Optional[str] = None  # device -> why it cannot run there ("" when it can); default: ``devices``
     fallback: Optional[str] = None  # what runs instead where it cannot (a warning; attention.strict=true fails)
 
-
-def flash_unavailable_reason(device: torch.device) -> str:
-    """Why our Triton kernel cannot run on ``device``; empty when it can."""
-    try:
-        from kernels import flash_attn_available
-    except ImportError as err:  # triton missing (Windows, macOS)
-        return f"triton is not importable ({err})"
-    ok, reason = flash_attn_available()
-    if not ok:
-        return reason
-    if device.type != "cuda":
-        return "" if os.environ.get("TRITON_INTERPRET") == "1" else f"the kernel runs on CUDA GPUs and this run uses {device.type}"
-    import triton
-
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 0) and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 3):
-        return (f"triton {triton.__version__} does not compile for compute capability {major}.{minor} "
-                "(Turing and older; it needs 8.0, Ampere, or newer)")
-    return ""
+    @property
+    def options(self) -> Tuple[str, ...]:
+        """The keyword options ``attend`` (and ``attend_packed``) take."""
+        return (*(option for feature, option in FEATURES.items() if option and getattr(self, feature)), *self.tunes)
 
 
+ALL_FEATURES = dict(window=True, dropout=True, gate=True, documents=True)
 BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
-    Backend("naive", "model.attention.naive:attend", options=("window", "dropout_p", "g")),
-    Backend("hybrid", "model.attention.hybrid:attend", options=("window", "block_size", "dropout_p", "g")),
-    Backend("tiled", "model.attention.tiled:attend", options=("window", "dropout_p", "g")),
-    Backend("sdpa", "model.attention.sdpa:attend", options=("window", "dropout_p", "g")),
+    Backend("naive", "model.attention.naive:attend", ring_step="model.attention.ring_steps:NAIVE", **ALL_FEATURES),
+    Backend("hybrid", "model.attention.hybrid:attend", tunes=("block_size",), **ALL_FEATURES),
+    Backend("tiled", "model.attention.tiled:attend", **ALL_FEATURES),
+    Backend("sdpa", "model.attention.sdpa:attend", ring_step="model.attention.ring_steps:SDPA", **ALL_FEATURES),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
-            options=("window", "dropout_p", "g"), unavailable=flash_unavailable_reason, fallback="sdpa"),
+            ring_step="model.attention.ring_steps:FLASH", devices=("cuda",), unavailable="kernels:flash_attn_unavailable",
+            fallback="sdpa", **ALL_FEATURES),
 )}
-
-# AttentionConfig keys that change what attention computes, with the value that turns them off: set
-# to anything else, they need a backend that takes them. Other keys a backend takes (hybrid's
-# block_size) only tune it, and the backends that do not take them ignore them.
-FEATURES = {"window": None}
 
 
 @dataclass(frozen=True)
@@ -101,7 +94,11 @@ class Attention:
 def unavailable_reason(name: str, device: torch.device) -> str:
     """Why backend ``name`` cannot run on ``device``; empty when it can."""
     backend = BACKENDS[name]
-    return backend.unavailable(device) if backend.unavailable else ""
+    if backend.unavailable:
+        return _load(backend.unavailable)(device)
+    if backend.devices is not None and device.type not in backend.devices:
+        return f"it runs on {' or '.join(backend.devices)} and this run uses {device.type}"
+    return ""
 
 
 def validate_attention(cfg: AttentionConfig) -> None:
@@ -112,20 +109,35 @@ def validate_attention(cfg: AttentionConfig) -> None:
         check_positive("attention.block_size", cfg.block_size, kind="integer")
     if cfg.window is not None and cfg.window <= 0:
         raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")
-    check_options(cfg.name, features_in_use(cfg))
+    check_features(cfg.name, window_in_use(cfg))
 
 
-def features_in_use(cfg: AttentionConfig) -> Dict[str, str]:
-    """{option: the setting that asks for it} for the FEATURES ``cfg`` turns on."""
-    return {key: f"attention.{key}={getattr(cfg, key)}" for key, off in FEATURES.items() if getattr(cfg, key) != off}
+def window_in_use(cfg: AttentionConfig) -> Dict[str, str]:
+    """{"window": the setting} when ``cfg`` asks for a sliding window, else {}."""
+    return {} if cfg.window is None else {"window": f"attention.window={cfg.window}"}
 
 
-def check_options(name: str, wanted: Dict[str, str]) -> None:
-    """Fail in one line when backend ``name`` does not take every option in ``wanted`` ({option: setting})."""
-    missing = [setting for option, setting in wanted.items() if option not in BACKENDS[name].options]
+def check_features(name: str, wanted: Dict[str, str]) -> None:
+    """Fail in one line when backend ``name`` cannot compute every feature in ``wanted``
+    ({FEATURES key: the setting that asks for it})."""
+    missing = [setting for feature, setting in wanted.items() if not getattr(BACKENDS[name], feature)]
     if missing:
-        able = [b.name for b in BACKENDS.values() if set(wanted) <= set(b.options)]
+        able = [b.name for b in BACKENDS.values() if all(getattr(b, feature) for feature in wanted)]
         raise UserError(f"attention={name} cannot run with {missing[0]}; backends that can: {', '.join(able) or 'none'}")
+
+
+def ring_backends() -> Tuple[str, ...]:
+    """The backends with a ring step: those that run under context parallelism."""
+    return tuple(name for name, backend in BACKENDS.items() if backend.ring_step)
+
+
+def ring_step(name: str):
+    """Backend ``name``'s ``ring_steps.StepAttention``; UserError for one without it."""
+    if BACKENDS[name].ring_step is None:
+        able = ring_backends()
+        raise UserError(f"attention={name} does not run under context parallelism (ring attention); use "
+                        f"attention={', '.join(able[:-1])} or {able[-1]}")
+    return _load(BACKENDS[name].ring_step)
 
 
 def build_attention(cfg: AttentionConfig, device: torch.device,
@@ -147,7 +159,7 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
             raise UserError(f"attention={name} cannot run: {reason}{way_out}")
         warnings.warn(f"attention={name} cannot run ({reason}); using attention={fallback} instead", stacklevel=2)
         name = fallback
-    check_options(name, features_in_use(cfg))
+    check_features(name, window_in_use(cfg))
     if context is not None:
         return ring_attention_of(name, context), name
     backend = BACKENDS[name]
@@ -160,9 +172,9 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
 def ring_attention_of(name: str, group: Optional[dist.ProcessGroup]) -> Attention:
     """Backend ``name`` as ring attention over ``group``: q, k, v are this rank's zigzag shard. With no
     group, a ring of one rank: the whole sequence, no communication (what N=1 costs through the ring)."""
-    from model.attention import ring, ring_steps
+    from model.attention import ring
 
-    return Attention(name, functools.partial(ring.attend, group=group, step=ring_steps.ring_step_attention(name)))
+    return Attention(name, functools.partial(ring.attend, group=group, step=ring_step(name)))
 
 
 def _load(ref: str) -> Callable:

@@ -27,10 +27,10 @@ def attend(
     if doc_ids is None:
         return flash_attn(q, k, v, causal=True, window_size=window, dropout_p=dropout_p, g=g)
     B, T, H, D = q.shape
-    cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
+    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
     packed = (x.reshape(1, B * T, x.shape[2], D) for x in (q, k, v))
-    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens, dropout_p=dropout_p,
-                   g=packed_gate(g))
+    o = flash_attn(*packed, causal=True, window_size=window, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                   dropout_p=dropout_p, g=packed_gate(g))
     return o.view(B, T, H, D)
 
 
@@ -44,14 +44,14 @@ def attend_packed(
 ) -> torch.Tensor:
     """``attend`` of the q, k, v packed in qkv: (B, T, n_head + 2 * H_kv, D), the fused projection's
     output. Returns o: (B, T, n_head, D); the backward writes qkv's gradient as one tensor, so
-    nothing concatenates dq, dk and dv (see kernels/flash_attention/packed.py)."""
+    nothing concatenates dq, dk and dv (see kernels/flash_attention/function.py)."""
     if doc_ids is None:
         return flash_attn_qkvpacked(qkv, n_head, causal=True, window_size=window, dropout_p=dropout_p, g=g)
     B, T, _, D = qkv.shape
-    cu_seqlens, _ = cu_seqlens_from_doc_ids(doc_ids)
+    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
     packed = qkv.reshape(1, B * T, qkv.shape[2], D)
     o = flash_attn_qkvpacked(packed, n_head, causal=True, window_size=window, cu_seqlens=cu_seqlens,
-                             dropout_p=dropout_p, g=packed_gate(g))
+                             max_seqlen=max_seqlen, dropout_p=dropout_p, g=packed_gate(g))
     return o.view(B, T, n_head, D)
 
 

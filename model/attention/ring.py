@@ -161,7 +161,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Process
 
     q: (B, T/N, H, D); k, v: (B, T/N, H_kv, D), H % H_kv == 0 -- this rank's tokens in the zigzag
     layout (``zigzag_shard``) of a sequence of T tokens sharded over the N ranks of ``group``
-    (None: N = 1, no communication). step: the backend's ring step (``ring_step_attention``).
+    (None: N = 1, no communication). step: the backend's ring step (``model.attention.ring_step``).
     softmax_scale defaults to 1/sqrt(D). Returns o: (B, T/N, H, D) in q's dtype, the rows of the
     whole sequence's causal attention that belong to this rank's queries. Differentiable in q, k, v;
     every rank of the group must call it with the same shapes, in the same order.

@@ -18,7 +18,7 @@ functions for one backend:
 Backends: ``naive`` (plain PyTorch, any device and float dtype; the reference the others are
 tested against), ``sdpa`` (PyTorch's fused attention ops that return the log-sum-exp: the CPU flash
 kernel, or the memory-efficient kernel on CUDA) and ``flash`` (our Triton kernel; CUDA, or CPU
-under TRITON_INTERPRET=1). ``hybrid`` has no such step.
+under TRITON_INTERPRET=1). A backend's row in ``BACKENDS`` names its step.
 """
 from dataclasses import dataclass
 from typing import Callable, Tuple
@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from model.attention.masks import group_queries, heads_first, ungroup_output
 
 Tensor = torch.Tensor
-RING_BACKENDS = ("naive", "sdpa", "flash")
 
 
 @dataclass(frozen=True)
@@ -155,11 +154,10 @@ def flash_kernel_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
 
 def flash_kernel_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
                           scale: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """The one call of our kernel's backward with an external lse (B, H, T), contiguous float32."""
-    from kernels.flash_attention import flash_attn_bwd
+    """The one call of our kernel's backward with an external lse (B, H, T)."""
+    from kernels import flash_attn_backward
 
-    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse, None, None, None, None, scale, causal, 0, 0.0)
-    return dq, dk, dv
+    return flash_attn_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=scale)
 
 
 def _fold(x: Tensor, m: int) -> Tensor:
@@ -219,7 +217,7 @@ def flash_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     Tq, Tk = q.shape[1], k.shape[1]
     lse = lse.float()
     if Tq == Tk:
-        return flash_kernel_backward(do, q, k, v, o, lse.contiguous(), causal, scale)
+        return flash_kernel_backward(do, q, k, v, o, lse, causal, scale)
     if Tq > Tk:
         m = Tq // Tk
         dq, dk, dv = flash_kernel_backward(_fold(do, m), _fold(q, m), _repeat_batch(k, m), _repeat_batch(v, m),
@@ -234,18 +232,8 @@ def flash_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     return dq.float().view(B, m, *dq.shape[1:]).sum(1), _unfold(dk, m), _unfold(dv, m)
 
 
-# the table -------------------------------------------------------------------------------------
+# the steps named by the rows of BACKENDS (model/attention/__init__.py) ----------------------------
 
-_STEPS = {
-    "naive": StepAttention("naive", reference_forward, reference_backward),
-    "sdpa": StepAttention("sdpa", sdpa_forward, sdpa_backward),
-    "flash": StepAttention("flash", flash_forward, flash_backward),
-}
-
-
-def ring_step_attention(backend: str) -> StepAttention:
-    """The ring step of attention backend ``backend``; ValueError for one without it."""
-    if backend not in _STEPS:
-        raise ValueError(f"attention={backend} does not run under context parallelism (ring attention); "
-                         f"use attention={', '.join(RING_BACKENDS[:-1])} or {RING_BACKENDS[-1]}")
-    return _STEPS[backend]
+NAIVE = StepAttention("naive", reference_forward, reference_backward)
+SDPA = StepAttention("sdpa", sdpa_forward, sdpa_backward)
+FLASH = StepAttention("flash", flash_forward, flash_backward)
