@@ -214,14 +214,15 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_constexprs_and_candid
 
 def _launch_constexprs(monkeypatch, *calls) -> list[dict]:
     """Per call of ``calls``: {kind: constexprs} of the tile kernels' launches it makes, as each
-    launch function hands them to its tuner (and then to the kernel)."""
+    launch function hands them to its tuner's ``launch``, which keys its pick on them and passes
+    them to the kernel."""
     seen = []
     for tuner in (forward.FWD, backward.DQ, backward.DKDV):
-        def record(device, dtype, rows, grid_yz, args, constexprs, tuner=tuner, pick=tuner.pick):
+        def record(rows, grid_yz, tensors, values, constexprs, cfg=None, tuner=tuner, launch=tuner.launch):
             seen[-1][tuner.kind] = constexprs
-            return pick(device, dtype, rows, grid_yz, args, constexprs)
+            return launch(rows, grid_yz, tensors, values, constexprs, cfg)
 
-        monkeypatch.setattr(tuner, "pick", record)
+        monkeypatch.setattr(tuner, "launch", record)
     for call in calls:
         seen.append({})
         call()
@@ -237,14 +238,14 @@ def _constexpr_params(jit) -> set[str]:
 
 
 def test_the_tuning_key_holds_every_constexpr_but_the_tiles(monkeypatch):
-    """Each launch hands its tuner (whose key is built from it) the very dict of constexprs it
-    passes the kernel: every constexpr of the kernel but BLOCK_M and BLOCK_N, so a constexpr the
-    kernel gains cannot be left out of the key. A gated call's differ from a plain one's in
-    HAS_GATE only."""
+    """Each launch hands its tuner the very dict of constexprs the tuner keys its pick on and passes
+    the kernel: every constexpr of the kernel but BLOCK_M and BLOCK_N, so a constexpr the kernel
+    gains cannot be left out of the key. A gated call's differ from a plain one's in HAS_GATE only."""
     B, T, H, D = 1, 8, 2, 16
-    q = torch.zeros(B, T, H, D)
-    lse = torch.zeros(B, H, T)
-    g = torch.zeros(B, T, H)
+    device = "cuda" if CUDA else "cpu"
+    q = torch.zeros(B, T, H, D, device=device)
+    lse = torch.zeros(B, H, T, device=device)
+    g = torch.zeros(B, T, H, device=device)
 
     def run(gate):
         return lambda: (forward.attn_fwd(q, q, q, 0.25, True, g=gate),

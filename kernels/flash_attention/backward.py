@@ -473,16 +473,11 @@ def attn_bwd(
                       IS_VARLEN=cu_seqlens is not None, HAS_DROPOUT=dropout_p > 0, HAS_GATE=g is not None,
                       IEEE=q.dtype == torch.float32)
 
-    dq_args = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
-               *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3])
+    dq_tensors = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc)
+    dq_values = (*scalars, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3])
     dq_constexprs = {**constexprs, "HAS_DLSE": dlse is not None}
-    grid_yz = (n_seq, H)
-    cfg = tiles["dq"] if tiles else DQ.pick(q.device, q.dtype, max_len, grid_yz, dq_args, dq_constexprs)
-    _attn_bwd_dq_kernel[DQ.grid(cfg, max_len, grid_yz)](*dq_args, **dq_constexprs, **cfg.options)
-
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
-                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
-    grid_yz = (n_seq, H_kv)
-    cfg = tiles["dkdv"] if tiles else DKDV.pick(q.device, q.dtype, max_len, grid_yz, dkdv_args, constexprs)
-    _attn_bwd_dkdv_kernel[DKDV.grid(cfg, max_len, grid_yz)](*dkdv_args, **constexprs, **cfg.options)
+    DQ.launch(max_len, (n_seq, H), dq_tensors, dq_values, dq_constexprs, tiles["dq"] if tiles else None)
+    dkdv_tensors = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc)
+    dkdv_values = (*scalars, *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+    DKDV.launch(max_len, (n_seq, H_kv), dkdv_tensors, dkdv_values, constexprs, tiles["dkdv"] if tiles else None)
     return dq, dk, dv, None if dc is None else gate_grad(dc, cu_seqlens)

@@ -63,9 +63,7 @@ def check_inputs(name: str, q, k, v, causal, softmax_scale, window_size, cu_seql
 
 
 def check_gate(name: str, g, shape: tuple[int, int, int], device: torch.device) -> None:
-    """g must be None or a float32 (B, T, H) tensor of log forget gates on the inputs' device."""
-    if g is None:
-        return
+    """g (not None) must be a float32 (B, T, H) tensor of log forget gates on the inputs' device."""
     if not (isinstance(g, torch.Tensor) and tuple(g.shape) == shape and g.dtype == torch.float32
             and g.device == device):
         got = type(g).__name__ if not isinstance(g, torch.Tensor) else f"{g.dtype} {tuple(g.shape)} on {g.device}"
