@@ -48,12 +48,12 @@ def _forward_backward(q, k, v, do, window=0, cu=None, longest=0, dropout=0.0, ga
 
 
 def _launches(monkeypatch, call) -> list[tuple]:
-    """(tuner, rows, grid_yz, tensors, values, constexprs, cfg) of each tile-kernel launch ``call`` makes."""
+    """(tuner, rows, grid_yz, tensors, values, cfg) of each tile-kernel launch ``call`` makes."""
     seen = []
     for tuner in TUNERS:
-        def record(rows, grid_yz, tensors, values, constexprs, cfg=None, tuner=tuner, launch=tuner.launch):
-            seen.append((tuner, rows, grid_yz, tensors, values, constexprs, cfg))
-            return launch(rows, grid_yz, tensors, values, constexprs, cfg)
+        def record(rows, grid_yz, tensors, values, cfg=None, tuner=tuner, launch=tuner.launch):
+            seen.append((tuner, rows, grid_yz, tensors, values, cfg))
+            return launch(rows, grid_yz, tensors, values, cfg)
 
         monkeypatch.setattr(tuner, "launch", record)
     call()
@@ -83,33 +83,30 @@ def _changed(x):
 
 
 def test_the_plan_key_changes_with_every_argument_of_every_launch(monkeypatch):
-    """For the forward, dQ and dK/dV launches of a gated, windowed call: the tensors, values and
-    constexprs handed to the launch are every parameter of the kernel but the tiles, and changing
-    any one of them (its dtype, alignment or presence; an integer to 1, to another multiple of 16,
-    past 32 bits; a number's type; a flag) changes the plan key."""
+    """For the forward, dQ and dK/dV launches of a gated, windowed call: the tensors and values
+    handed to the launch are every parameter of the kernel but the tiles, and changing any one of
+    them (its dtype, alignment or presence; an integer to 1, to another multiple of 16, past 32
+    bits; a number's type; a flag) changes the plan key."""
     q, k, v, do = _inputs(T=40)
     gate = torch.zeros(1, 40, 2, device=DEVICE)
     launches = _launches(monkeypatch, lambda: _forward_backward(q, k, v, do, window=9, gate=gate))
     assert {entry[0].kind for entry in launches} == {"fwd", "dq", "dkdv"}
-    for tuner, rows, grid_yz, tensors, values, constexprs, cfg in launches:
-        params = [p.name for p in _compiled(tuner.jit).params]
-        assert len(tensors) + len(values) + len(constexprs) == len(params) - 2
-        assert set(constexprs) == set(params[len(tensors) + len(values):-2])
+    for tuner, rows, grid_yz, tensors, values, cfg in launches:
+        params = _compiled(tuner.jit).params
+        assert len(tensors) + len(values) == len(params) - 2
+        assert [p.name for p in params[-2:]] == ["BLOCK_M", "BLOCK_N"]
         where = (q.device, rows, grid_yz, cfg)
-        key = launch.plan_key(0, where, tensors, values, constexprs)
-        assert launch.plan_key(0, where, tensors, values, constexprs) == key
+        key = launch.plan_key(0, where, tensors, values)
+        assert launch.plan_key(0, where, tensors, values) == key
         for i, t in enumerate(tensors):
             for new in _changed(t):
                 changed = tensors[:i] + (new,) + tensors[i + 1:]
-                assert launch.plan_key(0, where, changed, values, constexprs) != key, (tuner.kind, params[i])
+                assert launch.plan_key(0, where, changed, values) != key, (tuner.kind, params[i].name)
         for i, x in enumerate(values):
             for new in _changed(x):
                 changed = values[:i] + (new,) + values[i + 1:]
-                assert launch.plan_key(0, where, tensors, changed, constexprs) != key, (tuner.kind, i, new)
-        for name, x in constexprs.items():
-            for new in _changed(x):
-                assert launch.plan_key(0, where, tensors, values, {**constexprs, name: new}) != key, name
-        assert launch.plan_key(1, where, tensors, values, constexprs) != key  # another current device
+                assert launch.plan_key(0, where, tensors, changed) != key, (tuner.kind, params[len(tensors) + i].name)
+        assert launch.plan_key(1, where, tensors, values) != key  # another current device
 
 
 def test_replay_is_off_under_the_interpreter_and_on_unread_tritons(monkeypatch):
@@ -160,12 +157,13 @@ def test_every_replayed_binary_is_the_one_triton_looks_up_cuda(monkeypatch, shap
     _run_case(shape, options)
     launches = _launches(monkeypatch, lambda: _run_case(shape, options, seed=1))
     assert len(launches) == 3
-    for tuner, rows, grid_yz, tensors, values, constexprs, cfg in launches:
+    for tuner, rows, grid_yz, tensors, values, cfg in launches:
         q = tensors[0]
-        plan = tuner.replay.plans[tuner.replay.key((q.device, rows, grid_yz, cfg), tensors, values, constexprs)]
-        cfg = tuner.pick(q.device, q.dtype, rows, grid_yz, tensors + values, constexprs)
-        looked_up = tuner.jit.warmup(*tensors, *values, grid=tuner.grid(cfg, rows, grid_yz), **constexprs,
-                                     **cfg.options)
+        plan = tuner.replay.plans[tuner.replay.key((q.device, rows, grid_yz, cfg), tensors, values)]
+        split = len(values) - len(tuner.constexpr_names)
+        cfg = tuner.pick(q.device, q.dtype, rows, grid_yz, tensors + values[:split],
+                         dict(zip(tuner.constexpr_names, values[split:])))
+        looked_up = tuner.jit.warmup(*tensors, *values, grid=tuner.grid(cfg, rows, grid_yz), **cfg.options)
         assert plan.binary is looked_up, tuner.kind
 
 

@@ -40,23 +40,39 @@ def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
     return qkv.split_with_sizes([n_head, n_kv_head, n_kv_head], 2)
 
 
-def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window, dropout_p):
+def op_options(n_head: int, max_seqlen: int, softmax_scale: float, causal: bool, window: int,
+               dropout_p: float) -> list[float]:
+    """The ops' scalar arguments in one ``float[]``: the dispatcher converts and checks each argument
+    of a call, and one list costs it a third of what six scalars do (docs/KERNEL.md, the host path).
+    n_head: query heads of a packed qkv (0 otherwise); max_seqlen: the longest document with
+    cu_seqlens (0 otherwise); window: 0 for none."""
+    return [n_head, max_seqlen, softmax_scale, bool(causal), window, dropout_p]
+
+
+def unpack(options: list[float]) -> tuple[int, int, float, bool, int, float]:
+    """(n_head, max_seqlen, softmax_scale, causal, window, dropout_p) of :func:`op_options`' list."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = options
+    return int(n_head), int(max_seqlen), softmax_scale, bool(causal), int(window), dropout_p
+
+
+def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
     """o (B, T, H, D) in q's dtype and lse (B, H, T) float32; q is the packed qkv when k is None."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
     if k is None:
         q, k, v = split_qkv(q, n_head)
     return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, max_seqlen, rng, dropout_p, g)
 
 
-def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window, dropout_p):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, options):
     B, T, H, D = q.shape
-    H = n_head if k is None else H
+    H = int(options[0]) if k is None else H
     return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window,
-                    dropout_p):
+def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
     qkv, None, None and dg."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
     if k is None:
         dqkv = q.new_empty(q.shape)
         _, _, _, dg = attn_bwd(do, *split_qkv(q, n_head), o, lse, softmax_scale, causal, window, cu_seqlens,
@@ -66,8 +82,7 @@ def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, n_head, max_s
                     dropout_p, g)
 
 
-def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal,
-                         window, dropout_p):
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     dg = None if g is None else g.new_empty(g.shape)
     if k is None:
         return q.new_empty(q.shape), None, None, dg
@@ -76,26 +91,23 @@ def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, n_head, 
 
 flash_attn_fwd = define_op(
     "nanoflash::flash_attn_fwd",
-    "(Tensor q, Tensor? k, Tensor? v, Tensor? cu_seqlens, Tensor? rng, Tensor? g, int n_head, int max_seqlen,"
-    " float softmax_scale, bool causal, int window, float dropout_p) -> (Tensor, Tensor)",
+    "(Tensor q, Tensor? k, Tensor? v, Tensor? cu_seqlens, Tensor? rng, Tensor? g, float[] options) -> (Tensor, Tensor)",
     _flash_attn_fwd, _flash_attn_fwd_fake)
 flash_attn_bwd = define_op(
     "nanoflash::flash_attn_bwd",
     "(Tensor do, Tensor q, Tensor? k, Tensor? v, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens, Tensor? rng,"
-    " Tensor? g, int n_head, int max_seqlen, float softmax_scale, bool causal, int window, float dropout_p)"
-    " -> (Tensor, Tensor?, Tensor?, Tensor?)",
+    " Tensor? g, float[] options) -> (Tensor, Tensor?, Tensor?, Tensor?)",
     _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """Autograd of the public functions: the forward op, then the backward op on what it saved.
-    ``apply(q, k, v, cu_seqlens, rng, g, options)`` with options = (n_head, max_seqlen,
-    softmax_scale, causal, window, dropout_p); q is the packed qkv and k = v = None for the packed
-    layout."""
+    ``apply(q, k, v, cu_seqlens, rng, g, options)`` with the ops' :func:`op_options`; q is the packed
+    qkv and k = v = None for the packed layout."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, rng, g, options):
-        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, *options)
+        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng, g)
         ctx.options = options
         ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
@@ -106,7 +118,7 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens, rng, g = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, *ctx.options)
+        dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, ctx.options)
         return dq, dk, dv, None, None, dg, None
 
 
@@ -124,8 +136,8 @@ def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_s
         q, k, v = qkv if qkv.stride(-1) == 1 else qkv.contiguous(), None, None
     elif q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    options = (n_head, max_seqlen or 0, scale, bool(causal), int(window_size or 0), float(dropout_p))
-    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g, options)
+    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g,
+                                     op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p))
     return (o, lse) if return_lse else o
 
 
@@ -205,6 +217,6 @@ def flash_attn_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
     check_inputs(name, q, k, v, causal, softmax_scale, None, None, 0.0)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
-    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse.float().contiguous(), None, None, None, None, 0, 0, scale,
-                                   bool(causal), 0, 0.0)
+    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse.float().contiguous(), None, None, None, None,
+                                   op_options(0, 0, scale, causal, 0, 0.0))
     return dq, dk, dv

@@ -8,14 +8,15 @@ time for our ~40-argument kernels, paid three times by every forward + backward,
 part of a short sequence's time in eager training. Launching a binary already in hand
 (``CompiledKernel[grid](*args)``, how ``triton.compile``'s result is launched) skips all that.
 
-:class:`Replay` keeps, per *plan key*, the binary a plain launch returned, bound to its grid.
-:func:`plan_key` makes the key from the call itself: the current CUDA device, the caller's
-``where`` (what the grid and the launch options follow from), the name, type and value of every
-keyword argument and the type and value of every other non-tensor argument (an integer's value
-fixes everything Triton reads from it), and the dtype and address mod 16 of every tensor. It
-holds every argument, whatever the kernel's signature, and it is finer than Triton's own key, so
-a call that finds a plan is a call Triton would give that very binary; an argument a kernel
-gains is in the key with no edit here.
+:class:`Replay` keeps, per *plan key*, the binary a plain launch returned, bound to its grid. A
+launch passes the tensors, then every other argument but the keyword options (tile sizes, warps,
+stages) positionally, constexprs included; :func:`plan_key` makes the key from the call itself:
+the current CUDA device, the caller's ``where`` (what the grid and the keyword options follow
+from), the type and value of every non-tensor argument (an integer's value fixes everything Triton
+reads from it) and the dtype and address mod 16 of every tensor. It holds every argument, whatever
+the kernel's signature, and it is finer than Triton's own key, so a call that finds a plan is a
+call Triton would give that very binary; an argument a kernel gains is in the key with no edit
+here.
 
 No plan is kept, so every call is a plain ``kernel[grid]``:
 
@@ -55,16 +56,16 @@ def replay_supported(jit) -> bool:
     return isinstance(jit, JITFunction) and triton.__version__.rsplit(".", 1)[0] in REPLAYED_TRITON
 
 
-def plan_key(device: int, where: tuple, tensors: tuple, values: tuple, kwargs: dict) -> tuple:
-    """The plan key of ``kernel[grid](*tensors, *values, **kwargs)`` on CUDA device ``device``, whose
-    grid and options follow from ``where`` (module docstring)."""
-    return (device, where, tuple(kwargs.items()), tuple(map(type, kwargs.values())), values, tuple(map(type, values)),
+def plan_key(device: int, where: tuple, tensors: tuple, values: tuple) -> tuple:
+    """The plan key of ``kernel[grid](*tensors, *values, **options)`` on CUDA device ``device``, whose
+    grid and keyword options follow from ``where`` (module docstring)."""
+    return (device, where, values, tuple(map(type, values)),
             tuple([t if t is None else (t.dtype, t.data_ptr() & 15) for t in tensors]))
 
 
 class Plan(NamedTuple):
     launch: object  # CompiledKernel[grid]: launch(*tensors, *values, *rest)
-    rest: tuple  # the kernel's arguments after the values, in signature order
+    rest: tuple  # the kernel's arguments after the values (the keyword options'), in signature order
     binary: object  # the CompiledKernel
 
 
@@ -78,18 +79,18 @@ class Replay:
         self.on = replay_supported(jit)
         self.plans: dict[tuple, Plan] = {}
 
-    def key(self, where: tuple, tensors: tuple, values: tuple, kwargs: dict) -> tuple | None:
-        return plan_key(driver.active.get_current_device(), where, tensors, values, kwargs) if self.on else None
+    def key(self, where: tuple, tensors: tuple, values: tuple) -> tuple | None:
+        return plan_key(driver.active.get_current_device(), where, tensors, values) if self.on else None
 
-    def record(self, key: tuple | None, compiled, grid: tuple, tensors: tuple, values: tuple, kwargs: dict) -> None:
-        """Keep ``compiled``, which ``jit[grid](*tensors, *values, **kwargs)`` returned, under ``key``."""
+    def record(self, key: tuple | None, compiled, grid: tuple, tensors: tuple, values: tuple, options: dict) -> None:
+        """Keep ``compiled``, which ``jit[grid](*tensors, *values, **options)`` returned, under ``key``."""
         from triton.compiler import CompiledKernel
 
         if (key is None or not isinstance(compiled, CompiledKernel) or not TENSOR_TYPES.issuperset(map(type, tensors))
                 or not VALUE_TYPES.issuperset(map(type, values))
                 or driver.active.get_current_target().backend != "cuda"):
             return
-        rest = tuple(kwargs[p.name] if p.name in kwargs else p.default
+        rest = tuple(options[p.name] if p.name in options else p.default
                      for p in self.jit.params[len(tensors) + len(values):])
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()

@@ -20,6 +20,8 @@ compilation that takes longer than ``notice_after_s`` says so on stderr, once.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 import time
@@ -32,6 +34,7 @@ from .configs import INTERPRET_CONFIGS, TileConfig, describe_device, shortlist
 from .launch import Replay
 
 KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+TILE_NAMES = ("BLOCK_M", "BLOCK_N")
 
 
 def next_power_of_2(n: int) -> int:
@@ -134,23 +137,32 @@ class Tuner:
         """Axis 0 covers ``rows`` in tiles of the resident block; axes 1, 2 are ``grid_yz``."""
         return ceil_div(rows, cfg.BLOCK_M if self.resident == "BLOCK_M" else cfg.BLOCK_N), *grid_yz
 
-    def launch(self, rows: int, grid_yz: tuple[int, int], tensors: tuple, values: tuple, constexprs: dict,
+    @functools.cached_property
+    def constexpr_names(self) -> tuple[str, ...]:
+        """The kernel's constexpr parameters but the tiles, in signature order (what Triton reads as
+        a constexpr: a parameter annotated ``tl.constexpr``)."""
+        params = inspect.signature(self.jit.fn).parameters.values()
+        return tuple(p.name for p in params if "constexpr" in str(p.annotation) and p.name not in TILE_NAMES)
+
+    def launch(self, rows: int, grid_yz: tuple[int, int], tensors: tuple, values: tuple,
                cfg: Optional[TileConfig] = None) -> None:
-        """``jit[grid](*tensors, *values, **constexprs)`` with ``cfg`` (None: :meth:`pick`'s, for the
-        device and dtype of ``tensors[0]``, q), the grid covering ``rows`` and ``grid_yz``; the
+        """``jit[grid](*tensors, *values)`` with ``cfg`` (None: :meth:`pick`'s, for the device and
+        dtype of ``tensors[0]``, q), the grid covering ``rows`` and ``grid_yz``. ``tensors`` are the
+        kernel's leading arguments, ``values`` all the others but the tiles, its constexprs last; the
         binary of an earlier call with the same plan key is replayed (``launch.py``)."""
         q = tensors[0]
-        key = self.replay.key((q.device, rows, grid_yz, cfg), tensors, values, constexprs)
+        key = self.replay.key((q.device, rows, grid_yz, cfg), tensors, values)
         plan = self.replay.plans.get(key)
         if plan is not None:
             plan.launch(*tensors, *values, *plan.rest)
             return
-        args = tensors + values
+        split = len(values) - len(self.constexpr_names)
+        args, constexprs = tensors + values[:split], dict(zip(self.constexpr_names, values[split:]))
         if cfg is None:
             cfg = self.pick(q.device, q.dtype, rows, grid_yz, args, constexprs)
         grid = self.grid(cfg, rows, grid_yz)
         compiled = self.jit[grid](*args, **constexprs, **cfg.options)
-        self.replay.record(key, compiled, grid, tensors, values, {**constexprs, **cfg.options})
+        self.replay.record(key, compiled, grid, tensors, values, cfg.options)
 
     def pick(self, device, dtype, rows: int, grid_yz: tuple[int, int], args: tuple, constexprs: dict) -> TileConfig:
         """The config of a launch over ``rows`` (the longest sequence) with ``args`` and ``constexprs``."""
