@@ -1,8 +1,10 @@
 """Generation with a KV cache: prefill once, then one token a step, and sampling on the device.
 
 ``generate_cached`` is ``GPT.generate``'s default path. The prompt's last ``block_size`` tokens are
-prefilled with the configured backend; then each step feeds the newest token, attends to the cache
-(model/kv_cache.py) and samples the next. Once the context is ``block_size`` tokens long, the
+prefilled with the configured backend (once, at batch 1, when every row holds the same prompt: the
+samples of one prompt, as nanochat's engine does; the cache copies its keys and values to every
+row); then each step feeds the newest token, attends to the cache (model/kv_cache.py) and samples
+the next. Once the context is ``block_size`` tokens long, the
 model must see only the last ``block_size`` (nanoGPT's rule), and with learned or rotary positions
 every token then sits at a new position: each further token re-prefills the last ``block_size``
 tokens, which is exactly what the uncached path computes, so greedy output stays equal to it.
@@ -143,13 +145,15 @@ def generate_cached(model, idx: torch.Tensor, max_new_tokens: int, sampler: Samp
     block = model.cfg.block_size
     seq = torch.empty((B, T0 + max_new_tokens), dtype=idx.dtype, device=idx.device)
     seq[:, :T0] = idx
+    one_prompt = B > 1 and bool((idx == idx[:1]).all())  # samples of one prompt: prefilled once, at batch 1
     cache = model.kv_cache(B, min(block, T0 + max_new_tokens - 1), idx.device)
     decode = DecodeStep(model, cache, seq, sampler, mode)
     for t in range(T0 - 1, T0 + max_new_tokens - 1):  # t: the position of the newest token
         if t == T0 - 1 or t >= block:  # (re-)prefill the last block_size tokens up to t
             cache.reset()
-            logits, _ = model(seq[:, max(0, t + 1 - block):t + 1], cache=cache)
-            seq[:, t + 1] = sampler(logits[:, -1])[:, 0]
+            rows = seq[:1] if one_prompt and t == T0 - 1 else seq  # the cache copies one row to all
+            logits, _ = model(rows[:, max(0, t + 1 - block):t + 1], cache=cache)
+            seq[:, t + 1] = sampler(logits[:, -1].expand(B, -1))[:, 0]
         else:  # the cache holds positions 0..t-1 and the token at t is fed at cache row t
             decode()
         if on_token is not None:

@@ -79,8 +79,10 @@ class LayerCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor]) -> None:
         """Store the forward's k, v (B, T, H_kv, D) and, with g (B, T, H) log forget gates, c = the
-        running sum of g, at the forward's positions."""
+        running sum of g, at the forward's positions. A batch of one row (a prompt prefilled once for
+        all its samples) is stored in every row."""
         owner = self.owner
+        k, v = (x.expand(owner.batch, *x.shape[1:]) for x in (k, v))
         if self.k is None:
             rows = (owner.batch, owner.capacity)
             self.k = k.new_zeros(rows + k.shape[2:])  # zeros: rows not yet written are finite

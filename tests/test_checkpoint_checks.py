@@ -127,7 +127,7 @@ def test_the_progress_bar_counts_every_token_and_changes_none(trained, monkeypat
     model, _ = sample.load_model(list_checkpoints(run_dir)[-1], torch.device("cpu"))
     args = SimpleNamespace(tokens=11, temperature=0.8, top_k=20, seed=3)
     idx = torch.zeros((2, 1), dtype=torch.long)
-    shown = sample.generate(model, idx, args, 65, torch.device("cpu"), torch.float32)
+    shown = sample.generate(model, idx, args, 65, torch.device("cpu"))
     whole = model.generate(idx, args.tokens, temperature=0.8, top_k=20, vocab_limit=65,
                            generator=torch.Generator().manual_seed(3))
     assert shown.shape == (2, args.tokens + 1) and torch.equal(shown, whole) and updates == [1] * args.tokens
