@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import device_for
+from kernels.flash_decoding import DecodeConfig
+from kernels.flash_decoding import function as decode_function
 from model import GPT, ModelConfig
 from model import generate as generation
 from model import kv_cache
@@ -162,7 +164,7 @@ def test_the_model_decodes_with_our_kernel(monkeypatch):
     fused projection, GQA, the gates' c, a window, and the cache's split over programs."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(kv_cache, "flash_decode_available", lambda t: True)
-        monkeypatch.setattr(kv_cache, "default_splits", lambda *args: 3)
+        monkeypatch.setattr(decode_function, "decode_config", lambda *args: DecodeConfig(3, 64, 4, 3))
     model = model_for(EVERYTHING, block_size=32, device="cuda" if torch.cuda.is_available() else "cpu")
     idx = prompt(model, batch=2)
     cache = model.kv_cache(2, 8, idx.device)
