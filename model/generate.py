@@ -11,9 +11,11 @@ tokens, which is exactly what the uncached path computes, so greedy output stays
 
 A step (``DecodeStep``) runs in one of ``STEPS``:
 - ``eager``: the model's forward and the sampling as plain PyTorch calls;
-- ``graph``: one real step eagerly (Triton compiles, autocast caches its weight casts), then the
-  step is captured as one CUDA graph and replayed: the token to feed, the position and the cache
-  rows are all read and written on the device, so the host only replays;
+- ``graph``: one real step eagerly (Triton builds or loads the decode kernels), then the step is
+  captured as one CUDA graph and replayed: the token to feed, the position and the cache rows are
+  all read and written on the device, so the host only replays. Under autocast the graph casts
+  every weight again at every step: inference models hold their weights in the dtype they run in
+  (training/trained_model.py), and only the sample at the end of training runs under autocast;
 - ``compile``: the step under ``torch.compile(mode="reduce-overhead")`` (gpt-fast's way: Inductor
   fuses the small kernels, and its CUDA graphs replay them); the first steps pay the compilation;
 - ``auto``: ``graph`` on a CUDA GPU outside torch.distributed (an FSDP model gathers its weights

@@ -63,8 +63,8 @@ class KVCache:
 
 
 class LayerCache:
-    """One layer's rows: k, v (B, capacity, H_kv, D) in the dtype the layer makes them (autocast's),
-    allocated zeroed at the first write; c (B, capacity, H) float64 with a forget gate, else None."""
+    """One layer's rows: k, v (B, capacity, H_kv, D) in the dtype the layer makes them (its weights', or
+    autocast's), allocated zeroed at the first write; c (B, capacity, H) float64 with a forget gate, else None."""
 
     def __init__(self, owner: KVCache):
         self.owner = owner
