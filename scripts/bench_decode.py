@@ -377,11 +377,11 @@ def sweep_settings(default, round1) -> list:
     and more by half, doubled)."""
     from kernels.flash_decoding.launch import MAX_SPLITS
 
-    s0, bn0, w0, st0 = default
     settings = [default, round1]
     settings += [default._replace(block_n=bn, num_stages=st) for bn in (32, 64, 128) for st in (3, 4)]
     settings += [default._replace(num_warps=2), default._replace(num_stages=5)]
-    settings += [default._replace(num_splits=max(1, min(MAX_SPLITS, round(s0 * f)))) for f in (0.5, 0.75, 1.5, 2)]
+    splits = (max(1, min(MAX_SPLITS, round(default.num_splits * f))) for f in (0.5, 0.75, 1.5, 2))
+    settings += [default._replace(num_splits=s) for s in splits]
     return list(dict.fromkeys(settings))  # each once, in order
 
 
