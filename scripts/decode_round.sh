@@ -10,7 +10,8 @@
 #      tests/test_kv_cache.py), failures listed;
 #   b. checkpoint: GPT-2 124M trained 2 steps (experiment=gpt2, uncompiled), as sample.py's input;
 #   c. sample: scripts/sample.py on it, 256 tokens with --timings: cold (Triton's and Inductor's
-#      caches empty), warm (the same command again), and warm with --samples 8;
+#      caches empty), warm (the same command again), warm with --samples 8, and warm with cuDNN
+#      taken out of SDPA's choices for the prefill (torch.backends.cuda.enable_cudnn_sdp(False));
 #   d. generate: scripts/bench_decode.py --parts generate (batch 1 and 8);
 #   e. kernel: scripts/bench_decode.py --parts kernel at round 1's shapes (batch 1, 8, 32; caches of
 #      1k to 64k);
@@ -18,8 +19,8 @@
 #
 # STEPS picks steps by name (default: all, "tests checkpoint sample generate kernel sweep"; sample
 # needs checkpoint's run). Writes to OUT: run.log (each step's command, exit status and seconds),
-# env.txt, tests.log, train.log, sample256_cold.log, sample256_warm.log, sample256x8_warm.log (each
-# with the text, the --timings lines and bash's `time`), decode_generate.log, decode_kernel.log,
+# env.txt, tests.log, train.log, sample256_cold.log, sample256_warm.log, sample256x8_warm.log,
+# sample256_nocudnn_warm.log (each with the text, the --timings lines and bash's `time`), decode_generate.log, decode_kernel.log,
 # decode_sweep.log, and decode/ (bench_decode's tables: generate.md/.json, kernel.md/.csv,
 # sweep.md/.csv, env.json). PYTHON picks the interpreter; RUN names the run folder (default: a
 # temporary one, removed at the end); wheels in /tmp/site (hydra-core on the GPU image) are put on
@@ -54,14 +55,16 @@ step() {  # step NAME SECONDS FILE CMD...: run CMD under a time limit, its outpu
     echo "=== $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$LOG"
 }
 
-sample() {  # sample FILE ARGS...: scripts/sample.py on the run, 256 tokens, timed; caches in $WORK/caches
+sample() {  # sample FILE SCRIPT ARGS...: SCRIPT on the run, 256 tokens, timed; caches in $WORK/caches
     local file=$1
     shift
-    step "sample.py $*" 120 "$file" env TRITON_CACHE_DIR="$WORK/caches/triton" \
+    step "$(basename "$1") ${*:2}" 120 "$file" env TRITON_CACHE_DIR="$WORK/caches/triton" \
         TORCHINDUCTOR_CACHE_DIR="$WORK/caches/inductor" XDG_CACHE_HOME="$WORK/caches/xdg" \
-        bash -c 'TIMEFORMAT="real %3R s, user %3U s, sys %3S s"; time "$@"' _ "$PY" scripts/sample.py "$RUN" \
-        --tokens 256 --timings "$@"
+        bash -c 'TIMEFORMAT="real %3R s, user %3U s, sys %3S s"; time "$@"' _ "$PY" "$1" "$RUN" --tokens 256 --timings "${@:2}"
 }
+# sample.py with cuDNN taken out of SDPA's choices (its prefill then runs FlashAttention-2): cuDNN builds an
+# execution plan at the first call of each shape in a process, which the prefill's --timings line includes.
+NO_CUDNN="$WORK/sample_without_cudnn.py"
 
 { echo "decode_round $(date -u +%FT%TZ), commit ${NANOFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -79,9 +82,13 @@ if wanted checkpoint; then
         "data.cache_dir=$WORK/data" "hydra.run.dir=$RUN"
 fi
 if wanted sample; then
-    sample "$OUT/sample256_cold.log"
-    sample "$OUT/sample256_warm.log"
-    sample "$OUT/sample256x8_warm.log" --samples 8
+    printf '%s\n' "import runpy, sys, torch" "torch.backends.cuda.enable_cudnn_sdp(False)" \
+        "sys.argv = ['scripts/sample.py'] + sys.argv[1:]" "runpy.run_path('scripts/sample.py', run_name='__main__')" \
+        > "$NO_CUDNN"
+    sample "$OUT/sample256_cold.log" scripts/sample.py
+    sample "$OUT/sample256_warm.log" scripts/sample.py
+    sample "$OUT/sample256x8_warm.log" scripts/sample.py --samples 8
+    sample "$OUT/sample256_nocudnn_warm.log" "$NO_CUDNN"
 fi
 if wanted generate; then
     step generate 240 "$OUT/decode_generate.log" "$PY" scripts/bench_decode.py --out "$OUT/decode" --parts generate \
