@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     device = resolve_device(args.device)
     phases = Phases(args.timings, device)
     dtype = resolve_dtype(args.dtype, device)
-    torch.empty(0, device=device)  # the CUDA context, made here to be timed on its own
+    torch.zeros(1, device=device)  # the CUDA context, made here to be timed on its own
     phases.done("device ready")
     model, tokenizer = load_model(Path(args.checkpoint), device, dtype, phases)
     prompt = encode_prompt(tokenizer, args.prompt)
