@@ -19,7 +19,8 @@ A step (``DecodeStep``) runs in one of ``STEPS``:
 - ``compile``: the step under ``torch.compile(mode="reduce-overhead")`` (gpt-fast's way: Inductor
   fuses the small kernels, and its CUDA graphs replay them); the first steps pay the compilation;
 - ``auto``: ``graph`` on a CUDA GPU outside torch.distributed (an FSDP model gathers its weights
-  with collectives in every forward), else ``eager``.
+  with collectives in every forward), else ``eager``. ``graph`` compiles nothing, so a sample
+  starts in seconds; scripts/bench_decode.py measures ``compile``'s speed and first call beside it.
 Either way the step's random numbers are drawn eagerly before it, from the caller's generator.
 
 Sampling (``Sampler``) never syncs with the host: a draw from probabilities p is the argmax of p / E
