@@ -4,11 +4,12 @@
 kernel's keys per step, warps and pipeline stages. Nothing depends on the sequences' lengths, which
 live on the device, so one captured CUDA graph replays at every length.
 
-**Splits.** A decode step reads the cache once; the time is that of the SM with the most work, so
-the B * H_kv (sequence, KV head) pairs are split until every SM has about ``RESIDENT`` programs,
-spread evenly: for a few pairs (batch 1) the programs are counted in waves of ``RESIDENT`` per SM,
-and among the split counts that give from 0.9 to 1.8 waves the one whose last wave is fullest
-wins (then the smallest). A batch of pairs that fills ``FULL`` of a wave alone is not split. Each
+**Splits.** A decode step reads the cache once and lasts as long as its busiest SM, so the programs
+come in waves of ``RESIDENT`` per SM, as full as can be. B * H_kv (sequence, KV head) pairs that
+fill ``FULL`` of a wave alone are not split. Otherwise, among the split counts from the fewest
+whose programs fill ``FILL`` of a wave to twice as many, the one whose last wave is fullest wins
+(then the fewer splits): GPT-2's 12 heads at batch 1 split 22 ways on 132 SMs (264 programs, one
+full wave), a GQA batch of 64 pairs 4 ways (256), not 5 (320: a second wave a fifth full). Each
 split takes at least one ``block_n`` of the capacity, and there are at most ``MAX_SPLITS``.
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
