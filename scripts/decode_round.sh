@@ -7,7 +7,7 @@
 # Steps, each under its own `timeout` (a step that fails or runs out of time is logged and the next
 # one runs):
 #   a. tests: the decode kernel's and the KV cache's tests (tests/test_flash_decoding.py,
-#      tests/test_kv_cache.py), failures listed;
+#      tests/test_kv_cache.py), failures listed; pytest-xdist with 8 workers when it imports;
 #   b. checkpoint: GPT-2 124M trained 2 steps (experiment=gpt2, uncompiled), as sample.py's input;
 #   c. sample: scripts/sample.py on it, 256 tokens with --timings: cold (Triton's and Inductor's
 #      caches empty), warm (the same command again), warm with --samples 8, and warm with cuDNN
@@ -74,7 +74,10 @@ NO_CUDNN="$WORK/sample_without_cudnn.py"
 cat "$OUT/env.txt"
 
 if wanted tests; then
-    step tests 200 "$OUT/tests.log" "$PY" -m pytest -q -rf tests/test_flash_decoding.py tests/test_kv_cache.py
+    PARALLEL=()
+    $PY -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
+    step tests 200 "$OUT/tests.log" "$PY" -m pytest "${PARALLEL[@]}" -q -rf -p no:cacheprovider \
+        tests/test_flash_decoding.py tests/test_kv_cache.py
 fi
 if wanted checkpoint; then
     step checkpoint 180 "$OUT/train.log" "$PY" train.py experiment=gpt2 trainer.max_steps=2 trainer.compile=false \
