@@ -23,12 +23,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from errors import UserError
+
+# DDP, FSDP, the device mesh and DTensor are imported by the functions that use them: importing them
+# takes about half a second, which a process that never distributes (sampling, export) need not pay.
 
 KINDS = ("none", "ddp", "fsdp")
 
@@ -103,6 +102,8 @@ def setup(kind: str, device: torch.device, context_parallel: int = 1):
 
 def context_group(world_size: int, n: int, device: torch.device) -> dist.ProcessGroup:
     """This rank's group along the context-parallel dimension of the (world_size / n, n) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     if world_size % n:
         raise UserError(f"trainer.context_parallel={n} does not divide the {world_size} ranks; start a multiple of "
                         f"{n} ranks (torchrun --nproc_per_node) or choose a trainer.context_parallel that divides "
@@ -125,6 +126,8 @@ def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device, dtype: torc
         return shard(model, device, dtype)
     if not ranks.enabled:
         return model
+    from torch.nn.parallel import DistributedDataParallel
+
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -134,6 +137,8 @@ def shard(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
     On the GPU with bf16/fp16 the weights are gathered in that dtype (half the traffic) and the
     gradients reduced in fp32; the sharded master weights and the optimizer stay fp32.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     low_precision = device.type == "cuda" and dtype != torch.float32
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low_precision else MixedPrecisionPolicy()
     last = len(model.blocks) - 1
@@ -158,11 +163,15 @@ def gradient_sync(step_model, last_micro_batch: bool):
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (FSDP's gradient norm) as a plain tensor; plain tensors pass through."""
+    from torch.distributed.tensor import DTensor
+
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 has turned the model's parameters into DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
