@@ -102,15 +102,41 @@ def test_compile_caches_get_a_lasting_folder_unless_the_environment_names_one():
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/mine" and env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "0"
 
 
-def test_the_startup_clock_counts_from_the_process_start():
-    from training.metrics import StartupClock, process_age_s
+def test_the_startup_clock_counts_from_the_process_start_phase_by_phase():
+    from training import metrics
 
-    age = process_age_s()
+    age = metrics.process_age_s()
     assert age is None or 0 < age < 24 * 3600
-    clock = StartupClock(torch.device("cpu"), steps=2)
+    metrics.imports_done()
+    clock = metrics.StartupClock(torch.device("cpu"), steps=2)
+    clock.phase("data")
     clock.loop_started()
     assert [clock.step_done(), clock.step_done(), clock.step_done()] == [False, True, False]
+    clock.evaluated(0.5)
+    clock.evaluated(0.25)
     record = clock.record()
     assert len(record["steps_done_s"]) == 2 and record["first_step_in_job_s"] >= 0
+    assert (record["first_eval_s"], record["eval_s"], record["evals"]) == (0.5, 0.75, 2)
+    phases = record["startup_phases_s"]
+    later = list(phases)[2 if age is not None else 0:]
+    assert later == ["data", "setup", "step 1", "step 2"] and all(s >= 0 for s in phases.values())
+    assert clock.summary().endswith(f"step 2 {phases['step 2']:.1f} s") and "data " in clock.summary()
     if age is not None:
+        assert list(phases)[:2] == ["imports", "config"] and age <= phases["imports"] + phases["config"]
         assert age <= record["loop_start_s"] <= record["first_step_s"] <= record["steps_done_s"][1]
+    # a later run of the same process (a multirun's next job) starts at its own train() call
+    assert "imports" not in metrics.StartupClock(torch.device("cpu")).record()["startup_phases_s"]
+
+
+def test_the_startup_clock_counts_the_compile_caches_hits_of_its_own_run():
+    import torch._dynamo.utils
+
+    from training.metrics import StartupClock
+
+    counters = torch._dynamo.utils.counters
+    counters["inductor"]["fxgraph_cache_miss"] += 3  # an earlier job of the process
+    clock = StartupClock(torch.device("cpu"))
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    counters["aot_autograd"]["autograd_cache_hit"] += 1
+    counters["inductor"]["pattern_matcher_count"] += 5  # not a cache
+    assert clock.record()["compile_caches"] == {"fxgraph_cache_hit": 2, "autograd_cache_hit": 1}

@@ -9,7 +9,9 @@ It also times a run's start (``StartupClock``): from the command to the first op
 """
 import contextlib
 import os
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -138,37 +140,98 @@ def process_age_s() -> Optional[float]:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def compile_cache_counts() -> Counter:
+    """How often torch.compile looked for its work on disk in this process so far: Inductor's FX-graph
+    cache and AOTAutograd's cache, each's hits, misses and bypasses (torch's own counters; empty where
+    nothing was compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return Counter()
+    counts = {**utils.counters["inductor"], **utils.counters["aot_autograd"]}
+    return Counter({key: n for key, n in counts.items() if "cache" in key})
+
+
+_imports_done_at: Optional[float] = None  # process age when train.py had imported everything (imports_done)
+
+
+def imports_done() -> None:
+    """Note that the program's imports are done (train.py, first thing it runs): the first run's clock
+    reports them as the phase "imports" and what follows until ``train()`` as "config"."""
+    global _imports_done_at
+    _imports_done_at = process_age_s()
+
+
 class StartupClock:
     """How long a run takes to get going: seconds from the process start to the loop's start and to the
-    end of each of its first ``steps`` optimizer steps (the device waited for), and from ``train()``'s
-    call (a job of a multirun, whose process started earlier) to the end of the first step.
+    end of each of its first ``steps`` optimizer steps (the device waited for), from ``train()``'s call
+    (a job of a multirun, whose process started earlier) to the end of the first step, and where those
+    seconds went, phase by phase.
 
-    Compilation, autotuning, kernel builds and CUDA-graph capture happen in these first steps; waiting
-    for the device in them costs nothing measurable. ``record()`` holds what was measured so far.
+    ``phase(name)`` ends the phase ``name``, timed from the end of the one before (the clock's start for
+    the first). The process's first clock starts with the phases before ``train()``: "imports" (from
+    the command to ``imports_done``) and "config" (Hydra composing and checking the config); a later
+    job of a multirun starts at its ``train()`` call. The loop's first steps are phases too: "step 1"
+    (where compilation, autotuning and kernel builds happen), "step 2", ... ("step 3" is the one
+    ``trainer.cuda_graph`` captures). On a GPU a phase ends once the device has done its work.
+
+    The evaluations are timed as they come (``evaluated``): the first (which compiles its own graph
+    under trainer.compile) and all of them together. So are torch.compile's disk caches: the hits and
+    misses since the clock started (``compile_cache_counts``), which show whether a second run found
+    what the first compiled. ``record()`` holds what was measured so far.
     """
 
     def __init__(self, device: torch.device, steps: int = 5):
+        global _imports_done_at
         self.device, self.steps = device, steps
-        self.job_start = time.perf_counter()
+        self.job_start = self.since = time.perf_counter()
         self.ages = []
+        self.phases = {}
         self.loop_start_s = self.first_step_in_job_s = None
+        self.first_eval_s, self.eval_s, self.evals = None, 0.0, 0
+        self.cache_counts = compile_cache_counts()
+        age = process_age_s()
+        if _imports_done_at is not None and age is not None:
+            self.phases = {"imports": _imports_done_at, "config": age - _imports_done_at}
+        _imports_done_at = None  # a later job of the same process starts at its train() call
+
+    def phase(self, name: str) -> None:
+        """End the phase ``name`` (once the device has done its work)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[name] = now - self.since
+        self.since = now
 
     def loop_started(self) -> None:
+        self.phase("setup")
         self.loop_start_s = process_age_s()
 
     def step_done(self) -> bool:
         """Note the end of one of the first steps; True when it was the last one timed."""
         if len(self.ages) >= self.steps:
             return False
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.phase(f"step {len(self.ages) + 1}")
         if not self.ages:
             self.first_step_in_job_s = time.perf_counter() - self.job_start
         self.ages.append(process_age_s())
         return len(self.ages) == self.steps
 
+    def evaluated(self, seconds: float) -> None:
+        """Count one evaluation of ``seconds`` (its result read back from the device)."""
+        self.first_eval_s = seconds if self.first_eval_s is None else self.first_eval_s
+        self.eval_s += seconds
+        self.evals += 1
+
+    def summary(self) -> str:
+        """The phases so far in one line: "imports 4.1 s, config 0.6 s, ..."."""
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+
     def record(self) -> dict:
-        """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s'};
-        process ages are None where they cannot be read."""
+        """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s',
+        'startup_phases_s' ({phase: seconds}, in order), 'first_eval_s', 'eval_s' (all evaluations), 'evals',
+        'compile_caches' ({counter: count} since the start)}; process ages are None where they cannot be read."""
         return {"loop_start_s": self.loop_start_s, "first_step_s": self.ages[0] if self.ages else None,
-                "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s}
+                "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s,
+                "startup_phases_s": {name: round(seconds, 3) for name, seconds in self.phases.items()},
+                "first_eval_s": self.first_eval_s, "eval_s": self.eval_s,
+                "evals": self.evals, "compile_caches": dict(compile_cache_counts() - self.cache_counts)}

@@ -62,8 +62,11 @@ class Run:
     profiler: StepProfiler
 
 
-def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device) -> Run:
-    """Build the run ``cfg`` describes on this rank's ``device``, resumed as ``trainer.resume`` says."""
+def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device,
+              phase: Callable[[str], None] = lambda name: None) -> Run:
+    """Build the run ``cfg`` describes on this rank's ``device``, resumed as ``trainer.resume`` says.
+
+    ``phase(name)`` is called as each part is done: "data", "model", "optimizer" (StartupClock.phase)."""
     t = cfg.trainer
     dtype = resolve_dtype(t.dtype, device)
     captured = use_cuda_graph(t.cuda_graph, device, dtype, t.distributed, cfg.data.document_mask)
@@ -73,14 +76,18 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     data = prepare_once(cfg.data, ranks)
     tokenizer = load_tokenizer(data.manifest)
     source = pretrained.open_checked(cfg.model.init_from, tokenizer) if cfg.model.init_from else None
+    phase("data")
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
     batch_size = resolve_batch_size(t.batch_size, model_cfg, cfg, device, dtype)
     attention, backend = build_attention(cfg.attention, device, ranks.context_group)
-    model = GPT(model_cfg, attention).to(device)
+    with torch.device(device):  # the weights are made and initialized where they train
+        model = GPT(model_cfg, attention)
     origin = pretrained.load_weights(model, source) if source else None
     parallel_model = distributed.wrap(model, ranks, device, dtype)
+    phase("model")
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
+    phase("optimizer")
     train_loader, val_loader = make_loaders(data, cfg, batch_size, ranks, device)
     lineage = {"tokenizer": tokenizer.identity, "corpus": corpus_identity(data.manifest)}
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
