@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 import torch
@@ -55,6 +56,28 @@ def test_the_report_times_the_target_and_the_baselines_final_loss(tmp_path, caps
     assert (tmp_path / "out" / "val_vs_time.png").is_file() and (tmp_path / "out" / "val_vs_step.png").is_file()
     recipe_ablation.main(["report", str(tmp_path / "runs"), "--target", "1.45", "--out", str(tmp_path / "out")])
     assert "| ablation_base | 1.4800 | 1.4800 | n/a | n/a | n/a |" in capsys.readouterr().out
+
+
+def test_the_startup_report_times_the_target_from_the_command_and_shows_the_phases(tmp_path, capsys):
+    import startup_report
+
+    run = tmp_path / "run"
+    write_run(run, "speedrun", [1.5, 1.46, 1.44], wall=3.0)  # evaluations 1, 2 and 3 s after the loop's start
+    (run / "config.yaml").write_text("trainer:\n  grad_accum: 1\nmodel:\n  block_size: 10\n")
+    info = {"batch_size": 2, "loop_start_s": 7.5, "first_step_s": 9.0, "startup_phases_s": {"imports": 4.0, "step 1": 1.5},
+            "time_in": {"evaluation": {"count": 3, "seconds": 0.9, "first_seconds": 0.5}},
+            "compile_caches": {"fxgraph_cache_hit": 2, "autograd_cache_miss": 1}}
+    (run / "run.json").write_text(json.dumps(info))
+    runs = tmp_path / "runs.jsonl"
+    lines = [startup_report.collect(run, {"experiment": "speedrun_char", "compile": "false", "cache": "warm"}, 0, 12.0),
+             startup_report.collect(tmp_path / "none", {"experiment": "gpt2"}, "skipped: no time", None)]
+    runs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    startup_report.main(["table", str(runs), "--target", "1.47"])
+    out = capsys.readouterr().out
+    # 20 tokens a step at 1000 tokens/s; 1.46 <= 1.47 at step 200, 7.5 + 2 s from the command
+    assert "| speedrun_char | false | warm | 200 | 9.5 | 1.4400 (300) | 1.4400 | 20.00 | 3, 0.9 (0.5) | 0.0 | 12.0 | ok |" in out
+    assert "| speedrun_char | false | warm | 4.0 | n/a |" in out and "| 9.0 | 0.5 | 2/0/0 | 0/1/0 | 12.0 | ok |" in out
+    assert "| gpt2 | ? | ? | n/a |" in out and "| skipped: no time |" in out
 
 
 def fake_kernel_deb(folder):
@@ -112,11 +135,13 @@ def test_the_startup_clock_counts_from_the_process_start_phase_by_phase():
     clock.phase("data")
     clock.loop_started()
     assert [clock.step_done(), clock.step_done(), clock.step_done()] == [False, True, False]
-    clock.evaluated(0.5)
-    clock.evaluated(0.25)
+    for pause in (0.02, 0.01):
+        with clock.timed("evaluation"):
+            time.sleep(pause)
     record = clock.record()
     assert len(record["steps_done_s"]) == 2 and record["first_step_in_job_s"] >= 0
-    assert (record["first_eval_s"], record["eval_s"], record["evals"]) == (0.5, 0.75, 2)
+    evaluations = record["time_in"]["evaluation"]
+    assert evaluations["count"] == 2 and 0.02 <= evaluations["first_seconds"] < evaluations["seconds"]
     phases = record["startup_phases_s"]
     later = list(phases)[2 if age is not None else 0:]
     assert later == ["data", "setup", "step 1", "step 2"] and all(s >= 0 for s in phases.values())

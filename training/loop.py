@@ -89,20 +89,18 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
                 record["peak_vram_mb"] = distributed.maximum(record["peak_vram_mb"])
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
-                eval_start = time.perf_counter()
-                with run.meter.paused(), saved_if_the_cache_changes(run, step):
+                with clock.timed("evaluation"), run.meter.paused(), saved_if_the_cache_changes(run, step):
                     val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype,
                                         run.shard, stop=lambda: distributed.any_rank(bool(stop.signum), run.ranks))
-                clock.evaluated(time.perf_counter() - eval_start)
                 if val_loss is None:  # a signal cut the evaluation short: save now, not after it
                     stopping = ckpt_due = True
                 else:
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
                     if not unsaveable:
-                        with run.meter.paused():
+                        with clock.timed("best checkpoint"), run.meter.paused():
                             run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
             if ckpt_due and not unsaveable:
-                with run.meter.paused():
+                with clock.timed("checkpoint"), run.meter.paused():
                     try:
                         saved = run.checkpointer.save(step, run.train_loader.state_dict())
                     except NonFiniteState as err:
@@ -112,7 +110,7 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
             if stopping:
                 raise interrupted(stop.signum, step, newest_checkpoint(run.run_dir) if unsaveable else saved)
     if run.ranks.is_main:
-        add_run_info(run.run_dir, clock.record())  # the evaluations' time
+        add_run_info(run.run_dir, clock.record())  # with the time spent evaluating and saving
     return loss, val_loss, time.perf_counter() - started
 
 

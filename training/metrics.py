@@ -174,10 +174,10 @@ class StartupClock:
     (where compilation, autotuning and kernel builds happen), "step 2", ... ("step 3" is the one
     ``trainer.cuda_graph`` captures). On a GPU a phase ends once the device has done its work.
 
-    The evaluations are timed as they come (``evaluated``): the first (which compiles its own graph
-    under trainer.compile) and all of them together. So are torch.compile's disk caches: the hits and
-    misses since the clock started (``compile_cache_counts``), which show whether a second run found
-    what the first compiled. ``record()`` holds what was measured so far.
+    Later, what the loop does besides its steps is timed as it comes (``timed``): the evaluations (the
+    first compiles a graph of its own under trainer.compile) and the checkpoints. So are torch.compile's
+    disk caches: the hits and misses since the clock started (``compile_cache_counts``), which show
+    whether a second run found what the first compiled. ``record()`` holds what was measured so far.
     """
 
     def __init__(self, device: torch.device, steps: int = 5):
@@ -187,7 +187,7 @@ class StartupClock:
         self.ages = []
         self.phases = {}
         self.loop_start_s = self.first_step_in_job_s = None
-        self.first_eval_s, self.eval_s, self.evals = None, 0.0, 0
+        self.time_in = {}  # {what: {"count", "seconds", "first_seconds"}} (timed)
         self.cache_counts = compile_cache_counts()
         age = process_age_s()
         if _imports_done_at is not None and age is not None:
@@ -216,11 +216,18 @@ class StartupClock:
         self.ages.append(process_age_s())
         return len(self.ages) == self.steps
 
-    def evaluated(self, seconds: float) -> None:
-        """Count one evaluation of ``seconds`` (its result read back from the device)."""
-        self.first_eval_s = seconds if self.first_eval_s is None else self.first_eval_s
-        self.eval_s += seconds
-        self.evals += 1
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Add the block's wall time to ``what`` ("evaluation", "checkpoint"); the block ends with the
+        device done (it reads a result back, or writes what it read)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            totals = self.time_in.setdefault(what, {"count": 0, "seconds": 0.0, "first_seconds": seconds})
+            totals["count"] += 1
+            totals["seconds"] += seconds
 
     def summary(self) -> str:
         """The phases so far in one line: "imports 4.1 s, config 0.6 s, ..."."""
@@ -228,10 +235,9 @@ class StartupClock:
 
     def record(self) -> dict:
         """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s',
-        'startup_phases_s' ({phase: seconds}, in order), 'first_eval_s', 'eval_s' (all evaluations), 'evals',
+        'startup_phases_s' ({phase: seconds}, in order), 'time_in' ({what: {'count', 'seconds', 'first_seconds'}}),
         'compile_caches' ({counter: count} since the start)}; process ages are None where they cannot be read."""
         return {"loop_start_s": self.loop_start_s, "first_step_s": self.ages[0] if self.ages else None,
                 "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s,
                 "startup_phases_s": {name: round(seconds, 3) for name, seconds in self.phases.items()},
-                "first_eval_s": self.first_eval_s, "eval_s": self.eval_s,
-                "evals": self.evals, "compile_caches": dict(compile_cache_counts() - self.cache_counts)}
+                "time_in": self.time_in, "compile_caches": dict(compile_cache_counts() - self.cache_counts)}
