@@ -4,7 +4,8 @@
 #
 #   bash scripts/time_to_target.sh OUT_FOLDER [overrides for every run ...]
 #
-# In this order, each run under `timeout` and within what is left of BUDGET (a run that cannot get
+# After one import of the libraries (so that no timed run reads them from disk for the first time), in
+# this order, each run under `timeout` and within what is left of BUDGET (a run that cannot get
 # MIN_RUN seconds, default 30, is skipped and marked so):
 #   1. experiment=speedrun_char under trainer.compile=false, true and blocks (COMPILES), each cold (every
 #      cache in a fresh folder: Inductor's FX graphs, AOTAutograd graphs and autotuning, Triton's
@@ -16,17 +17,18 @@
 # Every run: trainer.sample_tokens=0, trainer.resume=none, its own run folder; its run.json records
 # the seconds of each phase of its start, the time spent evaluating and saving, and torch.compile's
 # disk-cache hits, misses and bypasses (training/metrics.py: StartupClock).
-#   4. Last, a diagnosis that is not timed: speedrun_char under trainer.compile=true for 3 steps on the
-#      warm caches of step 1, with TORCH_LOGS naming Inductor's FX-graph cache and AOTAutograd's cache
-#      (which imports the compiler with torch, so the timed runs go without), so that its log,
-#      cache-diagnosis.log, says why a cache missed or was bypassed.
+#   4. Last, as the budget allows, diagnoses that are not timed: speedrun_char for 16 steps under each
+#      trainer.compile on the warm caches of step 1, profiling 5 steps (trainer.profile_steps: where a
+#      step's GPU time goes, diagnosis-compile_<c>/profile.md) and, where it compiles, with TORCH_LOGS
+#      naming Inductor's FX-graph cache and AOTAutograd's cache (it imports the compiler with torch, so
+#      the timed runs go without), so that its log says why a cache missed or was bypassed.
 #
 # Writes to OUT_FOLDER: summary.md (environment, commands, the tables of scripts/startup_report.py:
 # phases of every start; for the speedrun and the baseline, the step and the seconds from the command
 # at which the validation loss first reached TARGET, default 1.47, best and final val, ms per step,
 # evaluation and checkpoint time), runs.jsonl and startup.jsonl (a line per run), <run>.log (each
-# run's output) and <run>/ (its metrics.jsonl, run.json, config.yaml; checkpoints stay behind), and
-# diagnosis.jsonl.
+# run's output) and <run>/ (its metrics.jsonl, run.json, config.yaml, profile.md; checkpoints stay
+# behind), and diagnosis.jsonl.
 # PYTHON picks the interpreter. Exit status 0 when every run that ran finished. A dry run on a CPU:
 #   COMPILES=false GPT2_COMPILES=false bash scripts/time_to_target.sh /tmp/t trainer.device=cpu trainer.compile=false \
 #       trainer.max_steps=2 trainer.eval_interval=1 trainer.eval_iters=1 trainer.batch_size=2 trainer.grad_accum=1 \
@@ -59,9 +61,12 @@ timed() {  # timed RUNS NAME CACHES LIMIT "LABELS" ARGS...: cached_run within th
     fi
     cached_run "$runs" "$name" "$caches" "$((left < limit ? left : limit))" "$labels" "$@"
     mkdir -p "$OUT/$name"
-    cp "$caches/run-$name"/{metrics.jsonl,run.json,config.yaml} "$OUT/$name/" 2>/dev/null
+    cp "$caches/run-$name"/{metrics.jsonl,run.json,config.yaml,profile.md} "$OUT/$name/" 2>/dev/null
 }
 
+# "cold" means torch.compile's, Triton's and our caches, not the OS's: read the libraries once first, so
+# the first run timed does not also pay for reading them from disk.
+"$PYTHON" -c "import torch, triton, hydra, tiktoken, numpy; torch.zeros(1, device='cuda' if torch.cuda.is_available() else 'cpu')"
 for setting in ${COMPILES:-false true blocks}; do
     caches="$WORK/speedrun-$setting"
     for kind in cold warm; do
@@ -83,12 +88,21 @@ for setting in ${GPT2_COMPILES:-true blocks}; do
     done
     rm -rf "$WORK/gpt2-$setting"
 done
-logs="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache"
-if [ -d "$WORK/speedrun-true" ] && TORCH_LOGS=$logs "$PYTHON" -c "import torch" 2>/dev/null; then
-    TORCH_LOGS=$logs timed "$OUT/diagnosis.jsonl" cache-diagnosis "$WORK/speedrun-true" 60 \
-        "experiment=speedrun_char compile=true cache=warm" \
-        experiment=speedrun_char trainer.compile=true trainer.max_steps=3 trainer.eval_iters=1 "${COMMON[@]}"
-fi
+diagnose() {  # diagnose SETTING: 16 steps of speedrun_char on its warm caches, 5 of them profiled
+    timed "$OUT/diagnosis.jsonl" "diagnosis-compile_$1" "$WORK/speedrun-$1" 60 "experiment=speedrun_char compile=$1 cache=warm" \
+        experiment=speedrun_char "trainer.compile=$1" "${COMMON[@]}" trainer.max_steps=16 trainer.profile_steps=5 \
+        trainer.eval_interval=16 trainer.eval_iters=1
+}
+logs="torch._inductor.codecache,torch._functorch._aot_autograd.autograd_cache"  # where this torch has them
+for setting in ${COMPILES:-false true blocks}; do
+    if [ ! -d "$WORK/speedrun-$setting" ]; then
+        continue
+    elif [ "$setting" != false ] && TORCH_LOGS=$logs "$PYTHON" -c "import torch" 2>/dev/null; then
+        TORCH_LOGS=$logs diagnose "$setting"
+    else
+        diagnose "$setting"
+    fi
+done
 
 {
     echo "# Seconds from the command to val <= $TARGET, and where the start goes"
