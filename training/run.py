@@ -22,6 +22,7 @@ from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import padded_vocab
 from training import distributed, pretrained
+from training.caches import cache_custom_autograd_graphs
 from training.checkpoint import Checkpointer, restore
 from training.config import TrainConfig
 from training.context_parallel import SequenceShard
@@ -184,10 +185,12 @@ def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
     """The model under ``torch.compile`` as trainer.compile says: true, the whole model as one graph
     (under FSDP block by block, so the sharding hooks stay between the graphs); blocks, each block on
     its own (regional compilation): the blocks share one graph, compiled once, in a fraction of the
-    time, and what lies between them runs eagerly. Graphs an earlier job of a multirun compiled in this
+    time, and what lies between them runs eagerly. AOTAutograd's disk cache may keep graphs with our
+    custom autograd.Functions (training/caches.py). Graphs an earlier job of a multirun compiled in this
     process are dropped first: each run compiles its own (from the disk caches when it can), and a long
     multirun never meets dynamo's limit on recompilations, past which it would run uncompiled."""
     torch._dynamo.reset()
+    cache_custom_autograd_graphs()
     if how != "blocks" and not ranks.sharded:
         return torch.compile(parallel_model)
     for block in model.blocks:
