@@ -34,9 +34,9 @@
 #       trainer.max_steps=2 trainer.eval_interval=1 trainer.eval_iters=1 trainer.batch_size=2 trainer.grad_accum=1 \
 #       model.n_embd=48 model.block_size=64
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:?give the folder for the results: bash scripts/time_to_target.sh OUT_FOLDER [overrides]}
+OUT=$(realpath -m "${1:?give the folder for the results: bash scripts/time_to_target.sh OUT_FOLDER [overrides]}")
 shift
+cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BUDGET=${BUDGET:-510}
 MIN_RUN=${MIN_RUN:-30}
@@ -47,6 +47,7 @@ source scripts/ablation_common.sh
 mkdir -p "$OUT"
 : >"$OUT/runs.jsonl"
 : >"$OUT/startup.jsonl"
+: >"$OUT/diagnosis.jsonl"
 WORK=$(mktemp -d)
 COMMON=(trainer.sample_tokens=0 trainer.resume=none logger.progress=false "$@")
 
