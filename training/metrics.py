@@ -5,7 +5,8 @@ per token follow the PaLM appendix: 6 N for the weight matmuls (forward + backwa
 12 L d T for attention scores and their weighting (the full T x T product, the usual convention,
 even though causal kernels skip half of it).
 
-It also times a run's start (``StartupClock``): from the command to the first optimizer steps.
+It also times a run's start (``StartupClock``): from the command to the first optimizer steps, phase
+by phase, and what the loop spends evaluating and saving.
 """
 import contextlib
 import os
