@@ -13,7 +13,7 @@ time it improves and never pruned. Resuming (``trainer.resume=auto``) still take
 Under FSDP (``trainer.distributed=fsdp``) it is a folder ``step_XXXXXXX/`` instead: every rank
 writes its shards of the model and optimizer with ``torch.distributed.checkpoint`` (DCP) and rank 0
 adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
-FSDP with any number of ranks.
+FSDP with any number of ranks. DCP is imported only for such a checkpoint: it takes seconds to import.
 
 A run saves through its ``Checkpointer``, which writes nothing unless the weights and optimizer
 state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``).
@@ -493,10 +493,8 @@ def restore_rng_state(state: dict, device: torch.device) -> None:
 def state_is_finite(model, optimizer) -> bool:
     """Whether every weight and optimizer-state tensor (this rank's shards) is finite: one fused
     max-abs reduction on the device over all of them, one sync."""
-    from torch.distributed.tensor import DTensor
-
     state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *state)]
+    tensors = [t.to_local() if distributed.is_dtensor(t) else t for t in (*model.parameters(), *state)]
     largest = torch._foreach_norm([t for t in tensors if t.is_floating_point() and t.numel()], ord=float("inf"))
     return bool(torch.stack([m.float() for m in largest]).isfinite().all())
 

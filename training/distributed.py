@@ -15,8 +15,12 @@ parallel, N consecutive ranks per context group): the N ranks of a group share e
 (training/context_parallel.py) and read the same slice of the global batch, that of their data
 parallel rank. DDP and FSDP still span the whole world (FSDP shards over the flattened dp x cp
 mesh), so weight gradients are averaged over every rank.
+
+FSDP, DTensor, DeviceMesh and DDP are imported where a run uses them: torch.distributed.tensor alone
+takes seconds to import (it loads sympy), which every single-process run would otherwise pay.
 """
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -25,9 +29,6 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
-
-# DDP, FSDP, the device mesh and DTensor are imported by the functions that use them: importing them
-# takes about half a second, which a process that never distributes (sampling, export) need not pay.
 
 KINDS = ("none", "ddp", "fsdp")
 
@@ -102,12 +103,12 @@ def setup(kind: str, device: torch.device, context_parallel: int = 1):
 
 def context_group(world_size: int, n: int, device: torch.device) -> dist.ProcessGroup:
     """This rank's group along the context-parallel dimension of the (world_size / n, n) mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if world_size % n:
         raise UserError(f"trainer.context_parallel={n} does not divide the {world_size} ranks; start a multiple of "
                         f"{n} ranks (torchrun --nproc_per_node) or choose a trainer.context_parallel that divides "
                         f"{world_size}")
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(device.type, (world_size // n, n), mesh_dim_names=("dp", "cp"))
     return mesh.get_group("cp")
 
@@ -163,16 +164,19 @@ def gradient_sync(step_model, last_micro_batch: bool):
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (FSDP's gradient norm) as a plain tensor; plain tensors pass through."""
-    from torch.distributed.tensor import DTensor
+    return x.full_tensor() if is_dtensor(x) else x
 
-    return x.full_tensor() if isinstance(x, DTensor) else x
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (an FSDP2 shard). Only torch.distributed.tensor makes them, so a process
+    that has not imported it (no FSDP) holds none, and this does not import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 has turned the model's parameters into DTensor shards."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def mean(x: torch.Tensor) -> torch.Tensor:
