@@ -24,17 +24,18 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 @torch.library.custom_op("nanoflash::flash_decode", mutates_args=())
 def flash_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                    gate_cache: Optional[torch.Tensor], softmax_scale: float, window: int, num_splits: int,
-                    block_n: int, num_warps: int, num_stages: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o (B, Tq, H, D) in q's dtype and lse (B, H, Tq) float32 (natural log); window 0 = none.
-    Arguments as :func:`flash_decode` takes them, already checked, and the launch settings (launch.py)."""
-    return decode_launch(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits, block_n,
-                         num_warps, num_stages)
+                    gate_cache: Optional[torch.Tensor], softmax_scale: float, window: int,
+                    num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """o (B, Tq, H, D) in q's dtype and lse (B, H, Tq) float32 (natural log); window 0 = none; num_splits 0 =
+    chosen here (launch.py). Arguments as :func:`flash_decode` takes them, already checked. The launch is
+    chosen inside the op, where torch.compile does not trace (it reads the GPU's properties)."""
+    B, T_max, H_kv, D = k_cache.shape
+    config = decode_config(B, H_kv, T_max, D, q.element_size(), q.device, num_splits or None)
+    return decode_launch(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, *config)
 
 
 @flash_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits, block_n, num_warps,
-      num_stages):
+def _(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits):
     B, Tq, H, D = q.shape
     return q.new_empty((B, Tq, H, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
 
@@ -121,9 +122,7 @@ def flash_decode(
     ValueError on invalid shapes, dtypes or devices.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window_size, num_splits)
-    B, T_max, H_kv, D = k_cache.shape
-    config = decode_config(B, H_kv, T_max, D, q.element_size(), q.device, num_splits)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     o, lse = flash_decode_op(q, k_cache, v_cache, cache_seqlens, gate_cache, float(scale), int(window_size or 0),
-                             *config)
+                             int(num_splits or 0))
     return (o, lse) if return_lse else o

@@ -43,7 +43,6 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-@torch.compiler.assume_constant_result  # read once, outside the graph: torch.compile cannot trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def gpu_resources(device: torch.device) -> tuple[int, int]:
     """(SMs, shared memory per program in bytes) of CUDA ``device``."""
