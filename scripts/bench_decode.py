@@ -18,9 +18,9 @@ batch 1 and 8. "Ours" is the model scripts/sample.py runs: built by training/tra
 - transformers' GPT2LMHeadModel with the same weights in bf16, ``generate`` with its static cache,
   compiled (as generate does on a GPU by default); skipped, with the reason, where transformers
   does not import.
-Each is called once before it is timed: the compiled ones with the same length (their first call,
-compilation included, is reported as "first call s"), the others with 32 tokens (kernels compile,
-nothing depends on the length). "same tokens" counts the new tokens equal to ours (graph step)
+Each is called once with the same length before it is timed (the cache's capacity picks the decode
+kernel's launch, so a shorter first call would leave a compilation in the timed one); of the compiled
+ones that first call, compilation included, is reported as "first call s". "same tokens" counts the new tokens equal to ours (graph step)
 before the first difference (bf16 rounding differs between implementations).
 
 ``kernel``: one new query against caches of 1k to 64k tokens, bf16, GPT-2's heads (H = H_kv = 12,
@@ -62,7 +62,6 @@ from scripts.bench_common import (ROOT, command_line, environment, first_line, g
 CUDA = torch.device("cuda")
 PARTS = ("generate", "kernel", "sweep")
 PROMPT, CONTEXT = 16, 1024
-WARMUP_TOKENS = 32
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BATCHES = (1, 4, 8, 16, 32)
 HEADS = ((12, 12, 64), (32, 8, 128))  # (H, H_kv, D): GPT-2's, and a GQA shape
@@ -162,13 +161,13 @@ def same_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def measure(batch: int, name: str, run, new: int, compiled: bool, reference=None,
             patch=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
-    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call:
-    of ``new`` tokens when ``compiled`` (a compiled graph is shaped by the length; that first call's
-    time is reported), else of ``WARMUP_TOKENS`` (what compiles does not depend on the length).
-    A run that fails gives a row that says why, and no output."""
+    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call of the
+    same length: the cache's capacity picks the decode kernel's launch, so a shorter warm-up would leave
+    its compilation in the timed call (of ``compiled`` runs that first call's time is reported). A run
+    that fails gives a row that says why, and no output."""
     try:
         with patch():
-            _, first = timed(lambda: run(new if compiled else WARMUP_TOKENS))
+            _, first = timed(lambda: run(new))
             out, seconds = timed(lambda: run(new))
     except Exception as err:
         row = dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
