@@ -13,6 +13,7 @@ from training.cli import add_overrides, check_overrides, config_from_hydra, mach
 from training.config import register_configs
 from training.exits import exit_on_error
 from training.loop import train
+from training.metrics import imports_done
 
 register_configs()
 
@@ -24,6 +25,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    imports_done()  # the run's start is timed from the command, phase by phase (training/metrics.py)
     keep_compiled_code()  # compiled code kept on disk between runs; torch reads it when it first compiles
     with exit_on_error():  # Hydra's own errors (composing, -cd, ...) and signals before the job
         check_overrides(sys.argv[1:])

@@ -118,6 +118,15 @@ def load_tokenizer(manifest_or_name: Union[dict, str]) -> Tokenizer:
     raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
+def default_prompt(tokenizer: Tokenizer) -> List[int]:
+    """The token ids a sample starts from when no prompt is given: a newline, or where the vocabulary has
+    none (a char corpus of one line) its first token."""
+    try:
+        return tokenizer.encode("\n")
+    except ValueError:  # the char tokenizer knows only its corpus' characters
+        return [0]
+
+
 def describe_tokenizer(identity: dict) -> str:
     """A tokenizer's ``identity`` in words: "the char tokenizer (65 characters)", "the gpt2 tokenizer (...)"."""
     if identity["tokenizer"] == "char":

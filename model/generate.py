@@ -1,21 +1,26 @@
 """Generation with a KV cache: prefill once, then one token a step, and sampling on the device.
 
 ``generate_cached`` is ``GPT.generate``'s default path. The prompt's last ``block_size`` tokens are
-prefilled with the configured backend; then each step feeds the newest token, attends to the cache
-(model/kv_cache.py) and samples the next. Once the context is ``block_size`` tokens long, the
+prefilled with the configured backend (once, at batch 1, when every row holds the same prompt: the
+samples of one prompt, as nanochat's engine does; the cache copies its keys and values to every
+row); then each step feeds the newest token, attends to the cache (model/kv_cache.py) and samples
+the next. Once the context is ``block_size`` tokens long, the
 model must see only the last ``block_size`` (nanoGPT's rule), and with learned or rotary positions
 every token then sits at a new position: each further token re-prefills the last ``block_size``
 tokens, which is exactly what the uncached path computes, so greedy output stays equal to it.
 
 A step (``DecodeStep``) runs in one of ``STEPS``:
 - ``eager``: the model's forward and the sampling as plain PyTorch calls;
-- ``graph``: one real step eagerly (Triton compiles, autocast caches its weight casts), then the
-  step is captured as one CUDA graph and replayed: the token to feed, the position and the cache
-  rows are all read and written on the device, so the host only replays;
+- ``graph``: one real step eagerly (Triton builds or loads the decode kernels), then the step is
+  captured as one CUDA graph and replayed: the token to feed, the position and the cache rows are
+  all read and written on the device, so the host only replays. Under autocast the graph casts
+  every weight again at every step: inference models hold their weights in the dtype they run in
+  (training/trained_model.py), and only the sample at the end of training runs under autocast;
 - ``compile``: the step under ``torch.compile(mode="reduce-overhead")`` (gpt-fast's way: Inductor
   fuses the small kernels, and its CUDA graphs replay them); the first steps pay the compilation;
 - ``auto``: ``graph`` on a CUDA GPU outside torch.distributed (an FSDP model gathers its weights
-  with collectives in every forward), else ``eager``.
+  with collectives in every forward), else ``eager``. ``graph`` compiles nothing, so a sample
+  starts in seconds; scripts/bench_decode.py measures ``compile``'s speed and first call beside it.
 Either way the step's random numbers are drawn eagerly before it, from the caller's generator.
 
 Sampling (``Sampler``) never syncs with the host: a draw from probabilities p is the argmax of p / E
@@ -143,13 +148,15 @@ def generate_cached(model, idx: torch.Tensor, max_new_tokens: int, sampler: Samp
     block = model.cfg.block_size
     seq = torch.empty((B, T0 + max_new_tokens), dtype=idx.dtype, device=idx.device)
     seq[:, :T0] = idx
+    one_prompt = B > 1 and bool((idx == idx[:1]).all())  # samples of one prompt: prefilled once, at batch 1
     cache = model.kv_cache(B, min(block, T0 + max_new_tokens - 1), idx.device)
     decode = DecodeStep(model, cache, seq, sampler, mode)
     for t in range(T0 - 1, T0 + max_new_tokens - 1):  # t: the position of the newest token
         if t == T0 - 1 or t >= block:  # (re-)prefill the last block_size tokens up to t
             cache.reset()
-            logits, _ = model(seq[:, max(0, t + 1 - block):t + 1], cache=cache)
-            seq[:, t + 1] = sampler(logits[:, -1])[:, 0]
+            rows = seq[:1] if one_prompt and t == T0 - 1 else seq  # the cache copies one row to all
+            logits, _ = model(rows[:, max(0, t + 1 - block):t + 1], cache=cache)
+            seq[:, t + 1] = sampler(logits[:, -1].expand(B, -1))[:, 0]
         else:  # the cache holds positions 0..t-1 and the token at t is fed at cache row t
             decode()
         if on_token is not None:

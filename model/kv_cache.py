@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from kernels.flash_decoding import decode_ref, default_splits, flash_decode, flash_decode_available
+from kernels.flash_decoding import decode_ref, flash_decode, flash_decode_available
 from model.config import ModelConfig
 
 
@@ -35,7 +35,6 @@ class KVCache:
         self.next_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.filled = False
         self.use_kernel = flash_decode_available(self.next_pos)  # a CUDA GPU with Triton
-        self.num_splits = default_splits(batch, cfg.kv_heads, capacity, cfg.head_dim, device) if self.use_kernel else None
         self.positions: Optional[torch.Tensor] = None  # (T,) of the forward running now
         self.lengths: Optional[torch.Tensor] = None  # (B,) int32: each sequence's length once it has run
         self.layers: List[LayerCache] = [LayerCache(self) for _ in range(cfg.n_layer)]
@@ -64,8 +63,8 @@ class KVCache:
 
 
 class LayerCache:
-    """One layer's rows: k, v (B, capacity, H_kv, D) in the dtype the layer makes them (autocast's),
-    allocated zeroed at the first write; c (B, capacity, H) float64 with a forget gate, else None."""
+    """One layer's rows: k, v (B, capacity, H_kv, D) in the dtype the layer makes them (its weights', or
+    autocast's), allocated zeroed at the first write; c (B, capacity, H) float64 with a forget gate, else None."""
 
     def __init__(self, owner: KVCache):
         self.owner = owner
@@ -79,8 +78,10 @@ class LayerCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor]) -> None:
         """Store the forward's k, v (B, T, H_kv, D) and, with g (B, T, H) log forget gates, c = the
-        running sum of g, at the forward's positions."""
+        running sum of g, at the forward's positions. A batch of one row (a prompt prefilled once for
+        all its samples) is stored in every row."""
         owner = self.owner
+        k, v = (x.expand(owner.batch, *x.shape[1:]) for x in (k, v))
         if self.k is None:
             rows = (owner.batch, owner.capacity)
             self.k = k.new_zeros(rows + k.shape[2:])  # zeros: rows not yet written are finite
@@ -98,7 +99,6 @@ class LayerCache:
         """Attention of q (B, T, H, D), the forward's queries (already written), to the cache: (B, T, H, D)."""
         owner = self.owner
         if owner.use_kernel:
-            return flash_decode(q, self.k, self.v, owner.lengths, window_size=owner.window, gate_cache=self.c,
-                                num_splits=owner.num_splits)
+            return flash_decode(q, self.k, self.v, owner.lengths, window_size=owner.window, gate_cache=self.c)
         return decode_ref(q, self.k, self.v, owner.lengths, window_size=owner.window, gate_cache=self.c,
                           compute_dtype=None)[0]

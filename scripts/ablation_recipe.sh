@@ -10,8 +10,16 @@
 #   ONTO=linux_corpus SIDES=none TARGET=base OUT=bench/linux bash scripts/ablation_recipe.sh model=gpt2
 #                                                   # the second corpus: baseline and recipe, and how soon
 #                                                   # the recipe reaches the baseline's final val loss
+#   OUT=bench/recipe QUICK=1 bash scripts/ablation_recipe.sh               # the 22 runs in about 8 minutes
 #   OUT=/tmp/recipe bash scripts/ablation_recipe.sh trainer.max_steps=4 trainer.device=cpu model.n_embd=36
 #                                                   # extra overrides go to every run
+#
+# QUICK=1 fits the 22 runs into one GPU call of about 8 minutes (H100): half of speedrun_char's steps
+# (trainer.max_steps=750; the warmup-stable-decay schedule follows the steps), evaluated every 50 steps
+# on 10 batches (so the step at which TARGET is reached is known to 50 steps), uncompiled
+# (trainer.compile=false: no job compiles, the steps are still captured as one CUDA graph), one
+# checkpoint at the end and no best one, no sample; TRAIN_TIMEOUT 480 s. It is a shorter experiment
+# than the full ablation, and ablation.md says which ran. Overrides given after still win.
 #
 # The switches and the variants' configs: scripts/recipe_ablation.py (each a generated experiment that
 # builds on ONTO, default speedrun_char, found through train.py -cd). TARGET (default 1.47; base: the
@@ -30,13 +38,18 @@ TARGET=${TARGET:-1.47}
 mkdir -p "$OUT" "$WORK"
 source scripts/ablation_common.sh
 
+QUICK_ARGS=()
+if [ "${QUICK:-0}" = 1 ]; then
+    QUICK_ARGS=(trainer.max_steps=750 trainer.eval_interval=50 trainer.eval_iters=10 trainer.compile=false
+                trainer.keep_best=false trainer.ckpt_interval=750 trainer.sample_tokens=0)
+fi
 SIDES=${SIDES:-add remove}
 VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
            --sides ${SIDES/none/}) || exit 2
 SWEEP=(-cd "$WORK/configs" "experiment=$VARIANTS")
-step training "${TRAIN_TIMEOUT:-1500}" "$OUT/train.log" \
+step training "${TRAIN_TIMEOUT:-$([ ${#QUICK_ARGS[@]} -gt 0 ] && echo 480 || echo 1500)}" "$OUT/train.log" \
     "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" \
-    'hydra.sweep.subdir=${hydra.job.num}-${trainer.run_name}' "$@"
+    'hydra.sweep.subdir=${hydra.job.num}-${trainer.run_name}' "${QUICK_ARGS[@]+"${QUICK_ARGS[@]}"}" "$@"
 step report 120 "$WORK/report.log" \
     "$PYTHON" scripts/recipe_ablation.py report "$WORK/multirun" --target "$TARGET" --out "$WORK/report"
 
@@ -48,9 +61,10 @@ cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_
     echo
     environment_line
     echo
-    echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS $*\` (the variants written by"
+    [ ${#QUICK_ARGS[@]} -gt 0 ] && echo "QUICK=1: the shorter ablation (${QUICK_ARGS[*]})." && echo
+    echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS ${QUICK_ARGS[*]+${QUICK_ARGS[*]} }$*\` (the variants written by"
     echo "\`python scripts/recipe_ablation.py variants\`), then \`python scripts/recipe_ablation.py report <multirun> --target $TARGET\`."
-    echo "Seconds from the loop's start (compilation included; each job of the multirun compiles its own model);"
+    echo "Seconds from the loop's start (compilation included: under trainer.compile each job of the multirun compiles its own model);"
     echo "tokens/s: the median of a run's log records after the first."
     echo
     if [ -f "$WORK/report/table.md" ]; then cat "$WORK/report/table.md"; else echo "(no table: see report.log)"; fi

@@ -6,41 +6,44 @@ flash-decoding kernel (kernels/flash_decoding) alone against SDPA.
 
 ``generate``: GPT-2 124M (configs/model/gpt2.yaml, randomly initialised: a step's time does not
 depend on the weights) generating greedily from a 16-token prompt to 1024 tokens (1008 new), at
-batch 1 and 8, bf16 under autocast as scripts/sample.py runs it. Rows:
-- ours, cached, with each decode step mode of model/generate.py: ``graph`` (the default on a GPU),
-  ``compile`` (torch.compile, reduce-overhead), ``eager``;
-- ours, cached, graph step, with the weights in bf16 instead of autocast (as transformers runs);
+batch 1 and 8. "Ours" is the model scripts/sample.py runs: built by training/trained_model.py's
+``plain_model`` with its weights in bf16, no autocast. Rows:
+- ours, cached, with each decode step mode of model/generate.py: ``graph`` (``auto``'s choice on a
+  GPU), ``compile`` (torch.compile, reduce-overhead), ``eager``;
+- ours, cached, graph step, fp32 weights under bf16 autocast (the sample at the end of training);
 - ours, cached, graph step, with SDPA attending over the static cache (rows past the length
   masked, as a captured step must: the length lives on the device) in place of our kernel;
 - ours, uncached (the whole context again for every token), stopped after ``--time-cap`` seconds:
   its tokens/s are over the tokens it made by then, the shortest contexts;
-- transformers' GPT2LMHeadModel with the same weights in bf16, ``generate`` with its static cache
-  (compiled, as generate does on a GPU by default; and with ``disable_compile=True``); skipped,
-  with the reason, where transformers does not import.
-Each is called once before it is timed: the compiled ones with the same length (their first call,
-compilation included, is reported as "first call s"), the others with 32 tokens (kernels compile,
-nothing depends on the length). "same tokens" counts the new tokens equal to ours (graph step)
+- transformers' GPT2LMHeadModel with the same weights in bf16, ``generate`` with its static cache,
+  compiled (as generate does on a GPU by default); skipped, with the reason, where transformers
+  does not import.
+Each is called once with the same length before it is timed (the cache's capacity picks the decode
+kernel's launch, so a shorter first call would leave a compilation in the timed one); of the compiled
+ones that first call, compilation included, is reported as "first call s". "same tokens" counts the new tokens equal to ours (graph step)
 before the first difference (bf16 rounding differs between implementations).
 
 ``kernel``: one new query against caches of 1k to 64k tokens, bf16, GPT-2's heads (H = H_kv = 12,
-D = 64) at batch 1 to 32 and a GQA shape (H = 32, H_kv = 8, D = 128) at batch 1 and 8: our kernel (its default
-splits) and SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDPA as
-it picks (the CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN
-and memory-efficient. Microseconds per call replayed from a CUDA graph (the GPU's time; our
-eager call's too), and GB/s of K and V read (2 * B * L * H_kv * D * 2 bytes), against the HBM's
-~3 TB/s on an H100.
+D = 64) at batch 1 to 32 and a GQA shape (H = 32, H_kv = 8, D = 128) at batch 1 and 8: our kernel
+(its default launch: splits / keys per step / warps / stages, kernels/flash_decoding/launch.py) and
+SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDPA as it picks (the
+CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN and
+memory-efficient. Microseconds per call replayed from a CUDA graph (the GPU's time; our eager
+call's too), and GB/s of K and V read (2 * B * L * H_kv * D * 2 bytes), against the HBM's ~3.35
+TB/s on an H100 and ~4.8 TB/s on an H200.
 
-``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits, around
-the defaults, at caches of 1k (GPT-2's decode) and 32k, batch 1 and 8, GPT-2's heads.
+``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits around
+the default launch, and round 1's launch (64 keys, 4 warps, 3 stages, splits for 2 programs per SM
+rounded up), at caches of 1k and 32k, batch 1 and 8, for both head shapes. A cell that could not
+be measured names the error.
 
-Writes generate.md/.json, kernel.md/.csv, sweep.md and env.json to --out. About 6 minutes on an
-H100. Needs a CUDA GPU.
+Writes generate.md/.json, kernel.md/.csv, sweep.md/.csv and env.json to --out. About 4 minutes on
+an H100. Needs a CUDA GPU.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import csv
 import json
 import sys
@@ -59,7 +62,6 @@ from scripts.bench_common import (ROOT, command_line, environment, first_line, g
 CUDA = torch.device("cuda")
 PARTS = ("generate", "kernel", "sweep")
 PROMPT, CONTEXT = 16, 1024
-WARMUP_TOKENS = 32
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BATCHES = (1, 4, 8, 16, 32)
 HEADS = ((12, 12, 64), (32, 8, 128))  # (H, H_kv, D): GPT-2's, and a GQA shape
@@ -79,7 +81,8 @@ def timed(fn) -> tuple[object, float]:
 # --- generate -------------------------------------------------------------------------------------
 
 def gpt2_model():
-    """GPT-2 124M on the GPU as configs/model/gpt2.yaml shapes it, randomly initialised, sdpa prefill."""
+    """GPT-2 124M on the GPU as configs/model/gpt2.yaml shapes it, randomly initialised, fp32 (a trained
+    checkpoint's weights), sdpa prefill."""
     import yaml
 
     from model import GPT, ModelConfig
@@ -92,6 +95,15 @@ def gpt2_model():
     torch.manual_seed(0)
     with CUDA:
         return GPT(cfg, attention).eval()
+
+
+def inference_model(model, dtype: torch.dtype = torch.bfloat16):
+    """``model``'s weights in the model scripts/sample.py builds (training/trained_model.py), in ``dtype``."""
+    from training.trained_model import plain_model
+
+    inference = plain_model(model.cfg, CUDA, dtype=dtype)
+    inference.load_state_dict(model.state_dict())
+    return inference
 
 
 def hf_gpt2(model, device: torch.device = CUDA, dtype: torch.dtype = torch.bfloat16):
@@ -136,8 +148,7 @@ def uncached_rate(model, idx, new: int, cap_s: float) -> tuple[int, float]:
     made, spent = 0, 0.0
     while made < new and spent < cap_s:
         n = min(32, new - made)
-        with torch.autocast("cuda", torch.bfloat16):
-            idx, seconds = timed(lambda: model.generate(idx, n, temperature=0, use_cache=False))
+        idx, seconds = timed(lambda: model.generate(idx, n, temperature=0, use_cache=False))
         made, spent = made + n, spent + seconds
     return made, spent
 
@@ -150,13 +161,13 @@ def same_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def measure(batch: int, name: str, run, new: int, compiled: bool, reference=None,
             patch=contextlib.nullcontext) -> tuple[dict, torch.Tensor]:
-    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call:
-    of ``new`` tokens when ``compiled`` (a compiled graph is shaped by the length; that first call's
-    time is reported), else of ``WARMUP_TOKENS`` (what compiles does not depend on the length).
-    A run that fails gives a row that says why, and no output."""
+    """(row, output) of ``run(new)`` (greedy tokens (B, PROMPT + new)) timed after one warm-up call of the
+    same length: the cache's capacity picks the decode kernel's launch, so a shorter warm-up would leave
+    its compilation in the timed call (of ``compiled`` runs that first call's time is reported). A run
+    that fails gives a row that says why, and no output."""
     try:
         with patch():
-            _, first = timed(lambda: run(new if compiled else WARMUP_TOKENS))
+            _, first = timed(lambda: run(new))
             out, seconds = timed(lambda: run(new))
     except Exception as err:
         row = dict(batch=batch, name=f"{name}: failed ({first_line(err)})", tokens=0, seconds=None,
@@ -172,16 +183,16 @@ def measure(batch: int, name: str, run, new: int, compiled: bool, reference=None
 def generate_rows(batches, cap_s: float) -> list[dict]:
     from model import kv_cache
 
-    model = gpt2_model()
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16)
+    trained = gpt2_model()  # fp32 weights, as a checkpoint holds them
+    model = inference_model(trained)  # bf16 weights, as scripts/sample.py runs them
     new = CONTEXT - PROMPT
     rows = []
     for batch in batches:
         idx = torch.randint(0, 50257, (batch, PROMPT), device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
 
-        def ours(step, weights=model):
+        def ours(step, weights=model, dtype=None):
             def run(n):
-                with torch.autocast("cuda", torch.bfloat16, enabled=weights is model):
+                with torch.autocast("cuda", dtype) if dtype else contextlib.nullcontext():
                     return weights.generate(idx, n, temperature=0, step=step)
             return run
 
@@ -190,8 +201,8 @@ def generate_rows(batches, cap_s: float) -> list[dict]:
         for name, run, compiled, patch in (
                 ("ours, cached, compile step", ours("compile"), True, contextlib.nullcontext),
                 ("ours, cached, eager step", ours("eager"), False, contextlib.nullcontext),
-                ("ours, cached, graph step, bf16 weights (no autocast)", ours("graph", bf16_model), False,
-                 contextlib.nullcontext),
+                ("ours, cached, graph step, fp32 weights under bf16 autocast", ours("graph", trained, torch.bfloat16),
+                 False, contextlib.nullcontext),
                 ("ours, cached, graph step, SDPA over the static cache", ours("graph"), False,
                  lambda: mock.patch.object(kv_cache, "flash_decode", sdpa_over_cache))):
             rows.append(measure(batch, name, run, new, compiled, reference, patch)[0])
@@ -199,13 +210,13 @@ def generate_rows(batches, cap_s: float) -> list[dict]:
         rows.append(dict(batch=batch, name=f"ours, uncached (stopped after {cap_s:g} s)", tokens=made, seconds=seconds,
                          first_call_s=None, same_tokens=None))
         print(row_line(rows[-1]), flush=True)
-        rows += transformers_rows(model, idx, new, reference)
+        rows += transformers_rows(trained, idx, new, reference)
     return rows
 
 
 def transformers_rows(model, idx, new: int, reference) -> list[dict]:
-    """transformers' generate with its static cache on the same weights, compiled (its default on a GPU)
-    and not; or one row saying why not."""
+    """transformers' generate with its static cache on the same weights in bf16, compiled (its default on a
+    GPU); or one row saying why not."""
     batch = idx.shape[0]
     try:
         import transformers
@@ -217,16 +228,12 @@ def transformers_rows(model, idx, new: int, reference) -> list[dict]:
         print(row_line(row), flush=True)
         return [row]
 
-    def hf_run(**options):
-        def run(n):
-            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0, cache_implementation="static", **options)
-        return run
+    def run(n):
+        return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, cache_implementation="static")
 
-    version = transformers.__version__
-    return [measure(batch, f"transformers {version}, static cache, compiled", hf_run(), new, True, reference)[0],
-            measure(batch, f"transformers {version}, static cache, disable_compile", hf_run(disable_compile=True),
-                    new, False, reference)[0]]
+    name = f"transformers {transformers.__version__}, static cache, compiled"
+    return [measure(batch, name, run, new, True, reference)[0]]
 
 
 def row_line(r: dict) -> str:
@@ -258,13 +265,25 @@ def launched_kernels(fn) -> str:
     return "; ".join(name[:70] for name in kernel_times_us(prof))
 
 
-def gpu_us(fn) -> float:
-    """Microseconds per call of fn replayed from a CUDA graph; NaN where it cannot run or be captured."""
+def gpu_us(fn) -> tuple[float, str]:
+    """(microseconds per call of fn replayed from a CUDA graph, ""), or (NaN, the error's first line)
+    where it cannot run or be captured. A CUDA error that leaves the context unusable is raised."""
     try:
+        torch.cuda.synchronize()  # inputs made on the default stream are ready before the timing's own stream
         fn()  # a kernel that cannot run here fails now, not inside a capture
-        return graph_median_ms(fn, rep=30) * 1e3
-    except Exception:
-        return float("nan")
+        return graph_median_ms(fn, rep=30) * 1e3, ""
+    except Exception as err:
+        check_context()
+        return float("nan"), first_line(err, 120)
+
+
+def check_context() -> None:
+    """Raise when the CUDA context is broken (a kernel faulted): every later measurement would fail too."""
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device=CUDA).item()
+    except Exception as err:
+        raise SystemExit(f"error: the CUDA context is unusable ({first_line(err)}); the measurements stop here") from err
 
 
 def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
@@ -282,16 +301,26 @@ def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
     return rows, picked
 
 
+def decode_inputs(B: int, L: int, H: int, H_kv: int, D: int):
+    """q (B, 1, H, D), k and v (B, L, H_kv, D) bf16, lengths (B,) int32 = L: a full cache."""
+    q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, torch.full((B,), L, dtype=torch.int32, device=CUDA)
+
+
+def launch_name(config) -> str:
+    """splits/keys per step/warps/stages."""
+    return "/".join(map(str, config))
+
+
 def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tuple[dict, str]:
     """Our kernel and each SDPA, one new query against a full cache of L keys, in microseconds; and,
     with ``name_sdpa``, the kernels SDPA launched as it picks."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.flash_decoding import default_splits, flash_decode
+    from kernels.flash_decoding import decode_config, flash_decode
 
-    q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
-    k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
-    lengths = torch.full((B,), L, dtype=torch.int32, device=CUDA)
+    q, k, v, lengths = decode_inputs(B, L, H, H_kv, D)
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
 
     def ours():
@@ -303,10 +332,10 @@ def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tu
                 return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=H != H_kv)
         return run
 
-    row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, splits=default_splits(B, H_kv, L, D, CUDA),
-               gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours), ours_eager_us=median_ms(ours, CUDA) * 1e3,
-               sdpa_us=gpu_us(sdpa()))
-    row.update({f"{name}_us": gpu_us(sdpa(kernel)) for name, kernel in SDPA_FORCED.items()})
+    row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(decode_config(B, H_kv, L, D, 2, CUDA)),
+               gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours)[0], ours_eager_us=median_ms(ours, CUDA) * 1e3,
+               sdpa_us=gpu_us(sdpa())[0])
+    row.update({f"{name}_us": gpu_us(sdpa(kernel))[0] for name, kernel in SDPA_FORCED.items()})
     return row, launched_kernels(sdpa()) if name_sdpa else ""
 
 
@@ -315,43 +344,73 @@ def kernel_line(r: dict) -> str:
         return "n/a" if us != us else f"{us:.1f} ({r['gb'] / (us * 1e-6):.0f})"
 
     sdpa = [cell(r[f"{name}_us"]) for name in SDPA_FORCED]
-    return (f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['splits']} | {cell(r['ours_us'])} | "
+    return (f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['launch']} | {cell(r['ours_us'])} | "
             f"{r['ours_eager_us']:.1f} | {cell(r['sdpa_us'])} | " + " | ".join(sdpa) + " |")
 
 
-KERNEL_HEAD = ["| H/H_kv/D | B | cache L | splits | ours µs (GB/s) | ours eager µs | SDPA µs (GB/s) | "
-               + " | ".join(f"SDPA {name} µs (GB/s)" for name in SDPA_FORCED) + " |",
+KERNEL_HEAD = ["| H/H_kv/D | B | cache L | launch (splits/keys per step/warps/stages) | ours µs (GB/s) | ours eager µs | "
+               "SDPA µs (GB/s) | " + " | ".join(f"SDPA {name} µs (GB/s)" for name in SDPA_FORCED) + " |",
                "|---|---|---|---|---|---|---|" + "---|" * len(SDPA_FORCED)]
 
 
 # --- sweep ----------------------------------------------------------------------------------------
 
-def sweep_rows(batches, lengths=(1024, 32768)) -> list[str]:
-    """Table lines: each launch setting of the split kernel around the defaults, µs (GB/s)."""
-    from kernels.flash_decoding import decode_launch, default_splits
-    from kernels.flash_decoding.kernel import NUM_STAGES, NUM_WARPS, block_n_for
-
-    H, H_kv, D = HEADS[0]
-    lines = []
-    for B, length in ((B, L) for L in lengths for B in batches):
-        q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
-        k, v = (torch.randn(B, length, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
-        lengths = torch.full((B,), length, dtype=torch.int32, device=CUDA)
-        splits = default_splits(B, H_kv, length, D, CUDA)
-        gb = 2 * B * length * H_kv * D * 2 / 1e9
-        settings = [(bn, w, NUM_STAGES, splits) for bn in (32, 64, 128) for w in (2, 4, 8)]
-        settings += [(block_n_for(D), NUM_WARPS, st, splits) for st in (2, 4)]
-        settings += [(block_n_for(D), NUM_WARPS, NUM_STAGES, max(1, int(splits * f))) for f in (0.5, 2, 4)]
-        for bn, warps, stages, s in dict.fromkeys(settings):  # each once, in order
-            us = gpu_us(lambda: decode_launch(q, k, v, lengths, None, D ** -0.5, 0, s, bn, warps, stages))
-            default = " (default)" if (bn, warps, stages, s) == (block_n_for(D), NUM_WARPS, NUM_STAGES, splits) else ""
-            lines.append(f"| {length} | {B} | {bn} | {warps} | {stages} | {s}{default} | "
-                         + ("n/a" if us != us else f"{us:.1f} | {gb / (us * 1e-6):.0f}") + " |")
-            print(lines[-1], flush=True)
-    return lines
+SWEEP_LENGTHS = (1024, 32768)
+SWEEP_BATCHES = (1, 8)
 
 
-SWEEP_HEAD = ["| cache L | B | BLOCK_N | warps | stages | splits | µs | GB/s |", "|---|---|---|---|---|---|---|---|"]
+def round1_launch(B: int, H_kv: int, L: int, D: int):
+    """Round 1's launch (the 2026-11-25 measurements): 64 keys per step (32 past D = 128), 4 warps, 3
+    stages, splits for 2 programs per SM rounded up, at most one per step of keys and 128."""
+    from kernels.flash_decoding import DecodeConfig
+    from kernels.flash_decoding.launch import gpu_resources
+
+    block_n = 64 if D <= 128 else 32
+    splits = max(1, min(-(-2 * gpu_resources(CUDA)[0] // (B * H_kv)), -(-L // block_n), 128))
+    return DecodeConfig(splits, block_n, 4, 3)
+
+
+def sweep_settings(default, round1) -> list:
+    """The default launch, round 1's, and settings around the default: keys per step with 3 and 4 stages,
+    2 warps (8 were the slowest everywhere in round 1), 5 stages, and the split count (halved, less
+    and more by half, doubled)."""
+    from kernels.flash_decoding.launch import MAX_SPLITS
+
+    settings = [default, round1]
+    settings += [default._replace(block_n=bn, num_stages=st) for bn in (32, 64, 128) for st in (3, 4)]
+    settings += [default._replace(num_warps=2), default._replace(num_stages=5)]
+    splits = (max(1, min(MAX_SPLITS, round(default.num_splits * f))) for f in (0.5, 0.75, 1.5, 2))
+    settings += [default._replace(num_splits=s) for s in splits]
+    return list(dict.fromkeys(settings))  # each once, in order
+
+
+def sweep_rows(batches=SWEEP_BATCHES, lengths=SWEEP_LENGTHS) -> list[dict]:
+    """One row per launch setting (``sweep_settings``) of each head shape, batch and cache length."""
+    return [row for H, H_kv, D in HEADS for B in batches for L in lengths for row in sweep_case(H, H_kv, D, B, L)]
+
+
+def sweep_case(H: int, H_kv: int, D: int, B: int, L: int) -> list[dict]:
+    """µs and GB/s of each launch setting at one shape, batch and full cache of L keys."""
+    from kernels.flash_decoding import decode_config, decode_launch
+
+    q, k, v, seqlens = decode_inputs(B, L, H, H_kv, D)
+    default, round1 = decode_config(B, H_kv, L, D, 2, CUDA), round1_launch(B, H_kv, L, D)
+    rows = []
+    for config in sweep_settings(default, round1):
+        us, error = gpu_us(lambda: decode_launch(q, k, v, seqlens, None, D ** -0.5, 0, *config))
+        tag = " (default)" if config == default else " (round 1)" if config == round1 else ""
+        rows.append(dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(config) + tag, us=us,
+                         gb_s=2 * B * L * H_kv * D * 2 / 1e9 / (us * 1e-6), error=error))
+        print(sweep_line(rows[-1]), flush=True)
+    return rows
+
+
+def sweep_line(r: dict) -> str:
+    measured = f"{r['us']:.1f} | {r['gb_s']:.0f}" if r["us"] == r["us"] else f"n/a: {r['error']} | n/a"
+    return f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['launch']} | {measured} |"
+
+
+SWEEP_HEAD = ["| H/H_kv/D | B | cache L | splits/keys per step/warps/stages | µs | GB/s |", "|---|---|---|---|---|---|"]
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -367,7 +426,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="generate: batch sizes")
     parser.add_argument("--kernel-batches", default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
-    parser.add_argument("--time-cap", type=float, default=15.0, help="generate: seconds the uncached run may take")
+    parser.add_argument("--time-cap", type=float, default=5.0, help="generate: seconds the uncached run may take")
     args = parser.parse_args()
     parts = parse_list(args.parts)
     unknown = sorted(set(parts) - set(PARTS))
@@ -393,9 +452,9 @@ def main() -> None:
               [kernel_line(r) for r in rows] + [""] + notes, rows)
     if "sweep" in parts:
         print("\n".join(SWEEP_HEAD), flush=True)
-        lines = sweep_rows([1, 8])
-        write(args.out / "sweep", f"# Split-kernel settings, H/H_kv/D 12/12/64, bf16: {title}", SWEEP_HEAD,
-              lines, None)
+        rows = sweep_rows()
+        write(args.out / "sweep", f"# Split-kernel launch settings, one new query, bf16: {title}", SWEEP_HEAD,
+              [sweep_line(r) for r in rows], rows)
 
 
 def write(stem: Path, title: str, head: list[str], lines: list[str], rows) -> None:

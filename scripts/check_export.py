@@ -5,7 +5,7 @@
 Exports the run (scripts/export_hf.py) to <out>/hf, loads it with transformers in fp32 and bf16,
 and decodes ``--tokens`` tokens greedily from ``--prompt`` with each; beside them the same from our
 model in fp32 (in this process) and from `scripts/sample.py --temperature 0`: on the run and on the
-exported folder in fp32, and on the run with its default precision (bf16 autocast on a GPU). Prints, and writes to
+exported folder in fp32, and on the run with its default precision (bf16 weights on a GPU). Prints, and writes to
 <out>/check_export.json, the seconds of the export and of each load, and for every pair of decoders
 whether the texts are equal and how many characters (and tokens, where both gave ids) agree before
 the first difference. Needs transformers and safetensors.

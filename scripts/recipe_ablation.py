@@ -29,6 +29,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.compare_runs import find_runs, load_run  # noqa: E402
 from training.cli import fail  # noqa: E402
+from training.exits import exit_on_error  # noqa: E402
 
 SWITCHES = {  # name: the setting it turns on
     "muon": "optim.name", "qk_norm": "model.qk_norm", "relu2": "model.mlp", "zero_init": "model.zero_init",
@@ -179,4 +180,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_error(stopped="stopped"):
+        main()

@@ -1,8 +1,8 @@
 """The measurement scripts on CPU: bench_attention (tables, files, plots, the correctness gate), the
 pieces the bench scripts share, compare_runs (on a real multirun of experiment=compare_backends and on
 hand-written runs), fit, plot_runs (the docs' plots from docs/runs), bench_context_parallel.sh's
-arguments and its search for the longest sequence (against a fake GPU), and perf_round.sh's choice of
-steps."""
+arguments and its search for the longest sequence (against a fake GPU), and perf_round.sh's and
+decode_round.sh's choice of steps."""
 import csv
 import importlib.util
 import json
@@ -470,3 +470,20 @@ def test_perf_round_runs_only_the_steps_named(tmp_path):
     assert "=== dropout (limit" in log and "=== dropout: exit" in log
     assert not any(f"=== {name} (limit" in log for name in ("tests", "profile", "anchors", "gate", "first-call"))
     assert sorted(p.name for p in out.iterdir()) == ["dropout.md", "run.log"]
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_round.sh
+
+@pytest.mark.parametrize("folder, steps, why", [
+    (False, None, "usage: bash scripts/decode_round.sh OUT"),
+    (True, "tests bogus", "unknown step 'bogus'"),
+    (True, " ", "STEPS is empty"),
+], ids=["no-folder", "unknown-step", "no-step"])
+def test_decode_round_refuses_in_one_line_before_running_anything(tmp_path, folder, steps, why):
+    out = tmp_path / "round"
+    env = dict(run_env(), **({"STEPS": steps} if steps is not None else {}))
+    proc = subprocess.run(["bash", "scripts/decode_round.sh", *([str(out)] if folder else [])], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and why in proc.stderr, proc.stderr
+    assert not out.exists()

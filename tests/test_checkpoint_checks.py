@@ -127,7 +127,22 @@ def test_the_progress_bar_counts_every_token_and_changes_none(trained, monkeypat
     model, _ = sample.load_model(list_checkpoints(run_dir)[-1], torch.device("cpu"))
     args = SimpleNamespace(tokens=11, temperature=0.8, top_k=20, seed=3)
     idx = torch.zeros((2, 1), dtype=torch.long)
-    shown = sample.generate(model, idx, args, 65, torch.device("cpu"), torch.float32)
+    shown = sample.generate(model, idx, args, 65, torch.device("cpu"))
     whole = model.generate(idx, args.tokens, temperature=0.8, top_k=20, vocab_limit=65,
                            generator=torch.Generator().manual_seed(3))
     assert shown.shape == (2, args.tokens + 1) and torch.equal(shown, whole) and updates == [1] * args.tokens
+
+
+def test_sample_builds_its_model_in_its_dtype_and_initialises_nothing(trained, monkeypatch):
+    """scripts/sample.py's model holds the checkpoint's weights in --dtype (bf16, on the CPU), its head tied
+    to its embedding; building it calls no initialisation (the weights loaded next overwrite every one),
+    and torch.nn.init is itself again afterwards."""
+    sample = sample_script()
+    initialised = []
+    monkeypatch.setattr(torch.nn.init, "normal_", lambda tensor, *args, **kwargs: initialised.append(tensor))
+    model, _ = sample.load_model(list_checkpoints(trained[0])[-1], torch.device("cpu"), torch.bfloat16)
+    assert not initialised
+    torch.nn.init.normal_(torch.empty(1))  # torch.nn.init is as it was before the build
+    assert len(initialised) == 1
+    assert model.lm_head.weight is model.wte.weight and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(value, trained[1]["model"][name].to(torch.bfloat16)) for name, value in model.state_dict().items())

@@ -55,6 +55,10 @@ WALK = [
     ("sample.py", ["{tmp}/missing", "--seed", "-1"], "--seed=-1 must be in [0, 2**64)"),
     ("export_hf.py", ["{tmp}/missing", "--out", "{tmp}/hf"], "{tmp}/missing holds no checkpoint"),
     ("check_export.py", ["{tmp}/missing", "--out", "{tmp}/check"], "{tmp}/missing holds no checkpoint"),
+    ("prepare_corpus.py", ["unpack", "{tmp}/missing.tar.xz"], "{tmp}/missing.tar.xz: no such file"),
+    ("recipe_ablation.py", ["report", "{tmp}/missing", "--out", "{tmp}/report"], "{tmp}/missing is not a run folder"),
+    ("startup_report.py", ["table", "{tmp}/missing.jsonl"], "{tmp}/missing.jsonl: no such file of runs"),
+    ("startup_report.py", ["collect", "{tmp}", "--status", "0"], "collect --status needs --wall"),
 ] + ([
     ("bench_decode.py", ["--out", "{tmp}/decode"], "needs a CUDA GPU"),
     ("bench_cross_entropy.py", [], "needs a CUDA GPU"),

@@ -23,8 +23,9 @@ import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels.flash_decoding import decode_ref, flash_decode  # noqa: E402
+from kernels.flash_decoding import DecodeConfig, decode_config, decode_ref, flash_decode  # noqa: E402
 from kernels.flash_decoding import kernel as decode_kernel  # noqa: E402
+from kernels.flash_decoding import launch  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FACTOR = 2.0
@@ -143,6 +144,29 @@ def test_flash_decode_rejects_bad_inputs_in_one_line(change, message):
     gate = torch.zeros(2, 8, q.shape[2], dtype=change.get("gate_dtype", torch.float64), device=DEVICE)
     with pytest.raises(ValueError, match=message):
         flash_decode(q, k, v, lengths, gate_cache=gate, window_size=change.get("window"))
+
+
+H100_LIKE, CONSUMER = (132, 232448), (128, 101376)  # (SMs, shared memory per program): an H100/H200, an RTX 4090
+
+
+@pytest.mark.parametrize("gpu, batch, kv_heads, capacity, head_dim, expected", [
+    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(22, 64, 4, 4), id="gpt2-B1-32k"),  # 264 programs; long splits
+    pytest.param(H100_LIKE, 1, 12, 4096, 64, DecodeConfig(22, 64, 4, 3), id="gpt2-B1-4k"),  # 186 keys a split
+    pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
+    pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(5, 64, 4, 4), id="gpt2-B8-32k"),  # 480: 0.91 of 2 waves
+    pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 4), id="gpt2-B32-32k"),  # 384 pairs fill it
+    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(4, 64, 4, 3), id="gqa-B8-32k"),  # not 5: 320 programs
+    pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
+    pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(21, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 100 KB: 3 stages
+])
+def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
+    """Splits fill whole waves of 2 programs per SM (5 splits of the GQA batch would start a second wave
+    a fifth full); a fourth stage where splits are long and 2 programs of it fit an SM's shared memory
+    (not at D = 128, nor on a consumer card); the splits given are kept."""
+    monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
+    cuda = torch.device("cuda")
+    assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected
+    assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda, num_splits=3).num_splits == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import device_for
+from kernels.flash_decoding import DecodeConfig
+from kernels.flash_decoding import function as decode_function
 from model import GPT, ModelConfig
 from model import generate as generation
 from model import kv_cache
@@ -102,6 +104,24 @@ def test_samples_with_the_cache_equal_those_without_from_one_seed():
     assert torch.equal(cached, sample(use_cache=False)) and int(cached[:, PROMPT:].max()) < 60
 
 
+def test_samples_of_one_prompt_prefill_it_once():
+    """Samples of one prompt: the prefill runs at batch 1 and its keys, values and gates serve every row;
+    the samples differ, and equal those of the uncached path from the same seed."""
+    model = model_for(EVERYTHING)
+    idx = prompt(model, batch=1).expand(3, -1)
+    batches = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda block, args: batches.append(args[0].shape[0]))
+
+    def sample(**options):
+        return model.generate(idx, NEW, temperature=0.9, top_k=10, generator=torch.Generator().manual_seed(7),
+                              **options)
+
+    cached = sample()
+    hook.remove()
+    assert batches[0] == 1 and set(batches[1:]) == {3}
+    assert torch.equal(cached, sample(use_cache=False)) and len({tuple(row) for row in cached.tolist()}) == 3
+
+
 @pytest.mark.parametrize("length, new", [(1, 1), (16, 3), (23, 4), (4, 12)], ids=["one-token", "full-prompt",
                                                                                   "long-prompt", "fills-exactly"])
 def test_prompts_at_and_past_the_context(length, new):
@@ -144,7 +164,7 @@ def test_the_model_decodes_with_our_kernel(monkeypatch):
     fused projection, GQA, the gates' c, a window, and the cache's split over programs."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(kv_cache, "flash_decode_available", lambda t: True)
-        monkeypatch.setattr(kv_cache, "default_splits", lambda *args: 3)
+        monkeypatch.setattr(decode_function, "decode_config", lambda *args: DecodeConfig(3, 64, 4, 3))
     model = model_for(EVERYTHING, block_size=32, device="cuda" if torch.cuda.is_available() else "cpu")
     idx = prompt(model, batch=2)
     cache = model.kv_cache(2, 8, idx.device)

@@ -26,6 +26,16 @@ def gpt(n_layer=4, **switches) -> GPT:
                            **switches), attention)
 
 
+def test_every_weight_is_made_on_the_default_device():
+    """A run makes its model on its device (training/run.py: with torch.device(device)); no part of any
+    switch may be made on the CPU regardless (here: the meta device, which allocates nothing)."""
+    with torch.device("meta"):
+        model = gpt(n_layer=4, **RECIPE)
+        gated = gpt(n_layer=2, mlp="swiglu", gate="forget", bias=True)
+    tensors = [*model.parameters(), *model.buffers(), *gated.parameters(), *gated.buffers()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+
 def test_qk_norm_gives_every_head_of_q_and_k_unit_rms():
     attn = gpt(qk_norm=True).blocks[0].attn
     x = 5 * torch.randn(2, 7, 16)

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 import torch
@@ -57,6 +58,28 @@ def test_the_report_times_the_target_and_the_baselines_final_loss(tmp_path, caps
     assert "| ablation_base | 1.4800 | 1.4800 | n/a | n/a | n/a |" in capsys.readouterr().out
 
 
+def test_the_startup_report_times_the_target_from_the_command_and_shows_the_phases(tmp_path, capsys):
+    import startup_report
+
+    run = tmp_path / "run"
+    write_run(run, "speedrun", [1.5, 1.46, 1.44], wall=3.0)  # evaluations 1, 2 and 3 s after the loop's start
+    (run / "config.yaml").write_text("trainer:\n  grad_accum: 1\nmodel:\n  block_size: 10\n")
+    info = {"batch_size": 2, "loop_start_s": 7.5, "first_step_s": 9.0, "startup_phases_s": {"imports": 4.0, "step 1": 1.5},
+            "time_in": {"evaluation": {"count": 3, "seconds": 0.9, "first_seconds": 0.5}},
+            "compile_caches": {"fxgraph_cache_hit": 2, "autograd_cache_miss": 1}}
+    (run / "run.json").write_text(json.dumps(info))
+    runs = tmp_path / "runs.jsonl"
+    lines = [startup_report.collect(run, {"experiment": "speedrun_char", "compile": "false", "cache": "warm"}, 0, 12.0),
+             startup_report.collect(tmp_path / "none", {"experiment": "gpt2"}, "skipped: no time", None)]
+    runs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    startup_report.main(["table", str(runs), "--target", "1.47"])
+    out = capsys.readouterr().out
+    # 20 tokens a step at 1000 tokens/s; 1.46 <= 1.47 at step 200, 7.5 + 2 s from the command
+    assert "| speedrun_char | false | warm | 200 | 9.5 | 1.4400 (300) | 1.4400 | 20.00 | 3, 0.9 (0.5) | 0.0 | 12.0 | ok |" in out
+    assert "| speedrun_char | false | warm | 4.0 | n/a |" in out and "| 9.0 | 0.5 | 2/0/0 | 0/1/0 | 12.0 | ok |" in out
+    assert "| gpt2 | ? | ? | n/a |" in out and "| skipped: no time |" in out
+
+
 def fake_kernel_deb(folder):
     """A .deb shaped like linux-source-6.1's: usr/src/linux-source-6.1.tar.xz holding a few files."""
     files = {"Documentation/a.rst": "Prose.\n", "Documentation/b.png": "x", "fs/ext4/inode.c": "int x;\n",
@@ -102,15 +125,43 @@ def test_compile_caches_get_a_lasting_folder_unless_the_environment_names_one():
     assert env["TORCHINDUCTOR_CACHE_DIR"] == "/mine" and env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "0"
 
 
-def test_the_startup_clock_counts_from_the_process_start():
-    from training.metrics import StartupClock, process_age_s
+def test_the_startup_clock_counts_from_the_process_start_phase_by_phase():
+    from training import metrics
 
-    age = process_age_s()
+    age = metrics.process_age_s()
     assert age is None or 0 < age < 24 * 3600
-    clock = StartupClock(torch.device("cpu"), steps=2)
+    metrics.imports_done()
+    clock = metrics.StartupClock(torch.device("cpu"), steps=2)
+    clock.phase("data")
     clock.loop_started()
     assert [clock.step_done(), clock.step_done(), clock.step_done()] == [False, True, False]
+    for pause in (0.02, 0.01):
+        with clock.timed("evaluation"):
+            time.sleep(pause)
     record = clock.record()
     assert len(record["steps_done_s"]) == 2 and record["first_step_in_job_s"] >= 0
+    evaluations = record["time_in"]["evaluation"]
+    assert evaluations["count"] == 2 and 0.02 <= evaluations["first_seconds"] < evaluations["seconds"]
+    phases = record["startup_phases_s"]
+    later = list(phases)[2 if age is not None else 0:]
+    assert later == ["data", "setup", "step 1", "step 2"] and all(s >= 0 for s in phases.values())
+    assert clock.summary().endswith(f"step 2 {phases['step 2']:.1f} s") and "data " in clock.summary()
     if age is not None:
+        assert list(phases)[:2] == ["imports", "config"] and age <= phases["imports"] + phases["config"]
         assert age <= record["loop_start_s"] <= record["first_step_s"] <= record["steps_done_s"][1]
+    # a later run of the same process (a multirun's next job) starts at its own train() call
+    assert "imports" not in metrics.StartupClock(torch.device("cpu")).record()["startup_phases_s"]
+
+
+def test_the_startup_clock_counts_the_compile_caches_hits_of_its_own_run():
+    import torch._dynamo.utils
+
+    from training.metrics import StartupClock
+
+    counters = torch._dynamo.utils.counters
+    counters["inductor"]["fxgraph_cache_miss"] += 3  # an earlier job of the process
+    clock = StartupClock(torch.device("cpu"))
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    counters["aot_autograd"]["autograd_cache_hit"] += 1
+    counters["inductor"]["pattern_matcher_count"] += 5  # not a cache
+    assert clock.record()["compile_caches"] == {"fxgraph_cache_hit": 2, "autograd_cache_hit": 1}

@@ -13,7 +13,7 @@ time it improves and never pruned. Resuming (``trainer.resume=auto``) still take
 Under FSDP (``trainer.distributed=fsdp``) it is a folder ``step_XXXXXXX/`` instead: every rank
 writes its shards of the model and optimizer with ``torch.distributed.checkpoint`` (DCP) and rank 0
 adds ``meta.pt`` with everything else. DCP reshards on load, so such a checkpoint resumes under
-FSDP with any number of ranks.
+FSDP with any number of ranks. DCP is imported only for such a checkpoint: it takes seconds to import.
 
 A run saves through its ``Checkpointer``, which writes nothing unless the weights and optimizer
 state are finite and the disk has room for it, and starts with ``restore`` (``trainer.resume``).
@@ -37,9 +37,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from data.config import DataConfig
 from data.folders import out_of_space
@@ -52,6 +49,9 @@ from training.config import TrainConfig
 from training.errors import NonFiniteState
 from training.optim import plain_state_dict, settings_kept
 from training.signals import temporary
+
+# torch.distributed.checkpoint (DCP) and DTensor are imported where a sharded checkpoint or an FSDP model
+# is handled: importing them takes about half a second, which sampling from a whole checkpoint never needs.
 
 NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 LR_ROLES = ("head_lr", "embed_lr", "scalar_lr")  # optim options that, set, give their parameters a group
@@ -121,6 +121,9 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
         folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     with temporary(tmp):
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
@@ -137,6 +140,9 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, meta: di
 
 def load_sharded_checkpoint(path: Path, model, optimizer) -> None:
     """Read the shards of ``path`` into the sharded ``model`` and ``optimizer`` (all ranks together)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)
@@ -151,6 +157,8 @@ def load_into_plain_model(path: Path, state: dict, model) -> None:
     if not state["sharded"]:
         model.load_state_dict(state["model"])
         return
+    import torch.distributed.checkpoint as dcp
+
     weights = model.state_dict()
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -223,11 +231,12 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, mmap: bool = False) -> dict:
     """Load one checkpoint on the CPU; UserError naming the file when it cannot be read.
 
     For a sharded checkpoint (a folder) this is its ``meta.pt`` with ``"sharded": True``; the
-    weights stay on disk until ``load_sharded_checkpoint``.
+    weights stay on disk until ``load_sharded_checkpoint``. With ``mmap`` the tensors are mapped
+    from the file and read when used (a reader of the weights alone never reads the optimizer state).
     """
     path = Path(path)
     sharded = path.is_dir()
@@ -238,7 +247,7 @@ def load_checkpoint(path: Path) -> dict:
                         "checkpoint (checkpoints/step_XXXXXXX.pt, or the checkpoints/step_XXXXXXX folder of an FSDP "
                         "run) or trainer.resume=auto")
     try:
-        state = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True)
+        state = torch.load(path / META if sharded else path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # truncated zip, bad pickle, not a torch file at all
         raise UserError(f"checkpoint {path} is corrupt or not a nanoflash checkpoint ({type(err).__name__})") from err
     if not isinstance(state, dict) or "step" not in state or ("model" not in state and not sharded):
@@ -247,12 +256,13 @@ def load_checkpoint(path: Path) -> dict:
     return state
 
 
-def latest_checkpoint(run_dir: Path) -> Tuple[Optional[Path], Optional[dict]]:
-    """The newest checkpoint that loads, warning about each newer one that does not (naming the fallback)."""
+def latest_checkpoint(run_dir: Path, mmap: bool = False) -> Tuple[Optional[Path], Optional[dict]]:
+    """The newest checkpoint that loads (``load_checkpoint``), warning about each newer one that does not
+    (naming the fallback)."""
     damaged = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, mmap)
         except UserError as err:
             damaged.append(err)
             continue
@@ -484,7 +494,7 @@ def state_is_finite(model, optimizer) -> bool:
     """Whether every weight and optimizer-state tensor (this rank's shards) is finite: one fused
     max-abs reduction on the device over all of them, one sync."""
     state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in (*model.parameters(), *state)]
+    tensors = [t.to_local() if distributed.is_dtensor(t) else t for t in (*model.parameters(), *state)]
     largest = torch._foreach_norm([t for t in tensors if t.is_floating_point() and t.numel()], ord=float("inf"))
     return bool(torch.stack([m.float() for m in largest]).isfinite().all())
 

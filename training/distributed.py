@@ -15,18 +15,18 @@ parallel, N consecutive ranks per context group): the N ranks of a group share e
 (training/context_parallel.py) and read the same slice of the global batch, that of their data
 parallel rank. DDP and FSDP still span the whole world (FSDP shards over the flattened dp x cp
 mesh), so weight gradients are averaged over every rank.
+
+FSDP, DTensor, DeviceMesh and DDP are imported where a run uses them: torch.distributed.tensor alone
+takes seconds to import (it loads sympy), which every single-process run would otherwise pay.
 """
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from errors import UserError
 
@@ -107,6 +107,8 @@ def context_group(world_size: int, n: int, device: torch.device) -> dist.Process
         raise UserError(f"trainer.context_parallel={n} does not divide the {world_size} ranks; start a multiple of "
                         f"{n} ranks (torchrun --nproc_per_node) or choose a trainer.context_parallel that divides "
                         f"{world_size}")
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(device.type, (world_size // n, n), mesh_dim_names=("dp", "cp"))
     return mesh.get_group("cp")
 
@@ -125,6 +127,8 @@ def wrap(model: torch.nn.Module, ranks: Ranks, device: torch.device, dtype: torc
         return shard(model, device, dtype)
     if not ranks.enabled:
         return model
+    from torch.nn.parallel import DistributedDataParallel
+
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -134,6 +138,8 @@ def shard(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> t
     On the GPU with bf16/fp16 the weights are gathered in that dtype (half the traffic) and the
     gradients reduced in fp32; the sharded master weights and the optimizer stay fp32.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     low_precision = device.type == "cuda" and dtype != torch.float32
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if low_precision else MixedPrecisionPolicy()
     last = len(model.blocks) - 1
@@ -158,12 +164,19 @@ def gradient_sync(step_model, last_micro_batch: bool):
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor (FSDP's gradient norm) as a plain tensor; plain tensors pass through."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
+    return x.full_tensor() if is_dtensor(x) else x
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a DTensor (an FSDP2 shard). Only torch.distributed.tensor makes them, so a process
+    that has not imported it (no FSDP) holds none, and this does not import it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 has turned the model's parameters into DTensor shards."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def mean(x: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,14 @@ def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = No
     "elapsed_s", "sample"}.
     """
     t = cfg.trainer
-    ranks, device = distributed.setup(t.distributed, resolve_device(t.device), t.context_parallel)
-    clock = StartupClock(device)
+    device = resolve_device(t.device)
+    clock = StartupClock(device)  # times the start: from the command in the process's first run
+    ranks, device = distributed.setup(t.distributed, device, t.context_parallel)
+    clock.phase("device")  # the process group and, on a GPU, the CUDA context (the clock's wait makes it)
     lock = None
     try:
         lock = claim_run_folder(Path(run_dir), ranks)  # one run per folder; rank 0 holds it
-        run = setup_run(cfg, Path(run_dir), ranks, device)
+        run = setup_run(cfg, Path(run_dir), ranks, device, clock.phase)
         if run.start_step >= t.max_steps:
             print(f"{run.run_dir} holds a finished run (step {run.start_step} of {t.max_steps}): extend it with "
                   f"trainer.max_steps=N, start over with trainer.resume=none, or use another hydra.run.dir")
@@ -87,7 +89,7 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
                 record["peak_vram_mb"] = distributed.maximum(record["peak_vram_mb"])
                 run.logger.log({**record, "elapsed_s": time.perf_counter() - started})
             if eval_due:
-                with run.meter.paused(), saved_if_the_cache_changes(run, step):
+                with clock.timed("evaluation"), run.meter.paused(), saved_if_the_cache_changes(run, step):
                     val_loss = evaluate(run.step_model, run.val_loader, t.eval_iters, run.device, run.dtype,
                                         run.shard, stop=lambda: distributed.any_rank(bool(stop.signum), run.ranks))
                 if val_loss is None:  # a signal cut the evaluation short: save now, not after it
@@ -95,10 +97,10 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
                 else:
                     run.logger.log({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - started})
                     if not unsaveable:
-                        with run.meter.paused():
+                        with clock.timed("best checkpoint"), run.meter.paused():
                             run.checkpointer.save_if_best(step, val_loss, run.train_loader.state_dict())
             if ckpt_due and not unsaveable:
-                with run.meter.paused():
+                with clock.timed("checkpoint"), run.meter.paused():
                     try:
                         saved = run.checkpointer.save(step, run.train_loader.state_dict())
                     except NonFiniteState as err:
@@ -107,18 +109,21 @@ def train_loop(run: Run, clock: Optional[StartupClock] = None) -> Tuple[float, O
                 run.logger.message(f"step {step}: no checkpoint written: {unsaveable}")
             if stopping:
                 raise interrupted(stop.signum, step, newest_checkpoint(run.run_dir) if unsaveable else saved)
+    if run.ranks.is_main:
+        add_run_info(run.run_dir, clock.record())  # with the time spent evaluating and saving
     return loss, val_loss, time.perf_counter() - started
 
 
 def note_startup(run: Run, clock: StartupClock, step: int) -> None:
     """Time the run's first steps (training/metrics.py: StartupClock): rank 0 says when the first one
-    ended, and adds the times to run.json after the last one timed (or the run's last step)."""
+    ended and where the time went, and adds the times to run.json after the last one timed."""
     timed_all = clock.step_done()
     if not run.ranks.is_main:
         return
     if step == run.start_step + 1 and clock.record()["first_step_s"] is not None:
-        run.logger.message(f"step {step} done {clock.record()['first_step_s']:.1f} s after the command started")
-    if timed_all or step == run.cfg.trainer.max_steps:
+        run.logger.message(f"step {step} done {clock.record()['first_step_s']:.1f} s after the command started "
+                           f"({clock.summary()})")
+    if timed_all:
         add_run_info(run.run_dir, clock.record())
 
 

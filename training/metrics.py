@@ -5,11 +5,14 @@ per token follow the PaLM appendix: 6 N for the weight matmuls (forward + backwa
 12 L d T for attention scores and their weighting (the full T x T product, the usual convention,
 even though causal kernels skip half of it).
 
-It also times a run's start (``StartupClock``): from the command to the first optimizer steps.
+It also times a run's start (``StartupClock``): from the command to the first optimizer steps, phase
+by phase, and what the loop spends evaluating and saving.
 """
 import contextlib
 import os
+import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -138,37 +141,104 @@ def process_age_s() -> Optional[float]:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def compile_cache_counts() -> Counter:
+    """How often torch.compile looked for its work on disk in this process so far: Inductor's FX-graph
+    cache and AOTAutograd's cache, each's hits, misses and bypasses (torch's own counters; empty where
+    nothing was compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return Counter()
+    counts = {**utils.counters["inductor"], **utils.counters["aot_autograd"]}
+    return Counter({key: n for key, n in counts.items() if "cache" in key})
+
+
+_imports_done_at: Optional[float] = None  # process age when train.py had imported everything (imports_done)
+
+
+def imports_done() -> None:
+    """Note that the program's imports are done (train.py, first thing it runs): the first run's clock
+    reports them as the phase "imports" and what follows until ``train()`` as "config"."""
+    global _imports_done_at
+    _imports_done_at = process_age_s()
+
+
 class StartupClock:
     """How long a run takes to get going: seconds from the process start to the loop's start and to the
-    end of each of its first ``steps`` optimizer steps (the device waited for), and from ``train()``'s
-    call (a job of a multirun, whose process started earlier) to the end of the first step.
+    end of each of its first ``steps`` optimizer steps (the device waited for), from ``train()``'s call
+    (a job of a multirun, whose process started earlier) to the end of the first step, and where those
+    seconds went, phase by phase.
 
-    Compilation, autotuning, kernel builds and CUDA-graph capture happen in these first steps; waiting
-    for the device in them costs nothing measurable. ``record()`` holds what was measured so far.
+    ``phase(name)`` ends the phase ``name``, timed from the end of the one before (the clock's start for
+    the first). The process's first clock starts with the phases before ``train()``: "imports" (from
+    the command to ``imports_done``) and "config" (Hydra composing and checking the config); a later
+    job of a multirun starts at its ``train()`` call. The loop's first steps are phases too: "step 1"
+    (where compilation, autotuning and kernel builds happen), "step 2", ... ("step 3" is the one
+    ``trainer.cuda_graph`` captures). On a GPU a phase ends once the device has done its work.
+
+    Later, what the loop does besides its steps is timed as it comes (``timed``): the evaluations (the
+    first compiles a graph of its own under trainer.compile) and the checkpoints. So are torch.compile's
+    disk caches: the hits and misses since the clock started (``compile_cache_counts``), which show
+    whether a second run found what the first compiled. ``record()`` holds what was measured so far.
     """
 
     def __init__(self, device: torch.device, steps: int = 5):
+        global _imports_done_at
         self.device, self.steps = device, steps
-        self.job_start = time.perf_counter()
+        self.job_start = self.since = time.perf_counter()
         self.ages = []
+        self.phases = {}
         self.loop_start_s = self.first_step_in_job_s = None
+        self.time_in = {}  # {what: {"count", "seconds", "first_seconds"}} (timed)
+        self.cache_counts = compile_cache_counts()
+        age = process_age_s()
+        if _imports_done_at is not None and age is not None:
+            self.phases = {"imports": _imports_done_at, "config": age - _imports_done_at}
+        _imports_done_at = None  # a later job of the same process starts at its train() call
+
+    def phase(self, name: str) -> None:
+        """End the phase ``name`` (once the device has done its work)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[name] = now - self.since
+        self.since = now
 
     def loop_started(self) -> None:
+        self.phase("setup")
         self.loop_start_s = process_age_s()
 
     def step_done(self) -> bool:
         """Note the end of one of the first steps; True when it was the last one timed."""
         if len(self.ages) >= self.steps:
             return False
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.phase(f"step {len(self.ages) + 1}")
         if not self.ages:
             self.first_step_in_job_s = time.perf_counter() - self.job_start
         self.ages.append(process_age_s())
         return len(self.ages) == self.steps
 
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Add the block's wall time to ``what`` ("evaluation", "checkpoint"); the block ends with the
+        device done (it reads a result back, or writes what it read)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            totals = self.time_in.setdefault(what, {"count": 0, "seconds": 0.0, "first_seconds": seconds})
+            totals["count"] += 1
+            totals["seconds"] += seconds
+
+    def summary(self) -> str:
+        """The phases so far in one line: "imports 4.1 s, config 0.6 s, ..."."""
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+
     def record(self) -> dict:
-        """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s'};
-        process ages are None where they cannot be read."""
+        """{'loop_start_s', 'first_step_s', 'steps_done_s' (the first steps' ends), 'first_step_in_job_s',
+        'startup_phases_s' ({phase: seconds}, in order), 'time_in' ({what: {'count', 'seconds', 'first_seconds'}}),
+        'compile_caches' ({counter: count} since the start)}; process ages are None where they cannot be read."""
         return {"loop_start_s": self.loop_start_s, "first_step_s": self.ages[0] if self.ages else None,
-                "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s}
+                "steps_done_s": self.ages, "first_step_in_job_s": self.first_step_in_job_s,
+                "startup_phases_s": {name: round(seconds, 3) for name, seconds in self.phases.items()},
+                "time_in": self.time_in, "compile_caches": dict(compile_cache_counts() - self.cache_counts)}

@@ -135,14 +135,15 @@ def load(model: GPT, weights: Dict[str, torch.Tensor], where: str) -> None:
         raise UserError(f"{where}: its weights do not fit its config ({lines[min(1, len(lines) - 1)].strip()})") from err
 
 
-def hf_model(folder: Path, device: torch.device) -> Tuple[GPT, Tokenizer, str]:
-    """(model, tokenizer, architecture) of a Hugging Face folder, for inference on ``device``."""
+def hf_model(folder: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> Tuple[GPT, Tokenizer, str]:
+    """(model, tokenizer, architecture) of a Hugging Face folder, its weights in ``dtype``, for inference on
+    ``device``."""
     where = str(folder)
     family, fields = fields_from_hf(read_config(folder, where), where)
     identity = folder_tokenizer(folder)
     if identity is None or identity["tokenizer"] == "other":
         raise UserError(f"{folder} carries {describe(identity) if identity else 'no tokenizer'}; nanoflash samples "
                         "with GPT-2 BPE or a char tokenizer (scripts/export_hf.py writes either)")
-    model = plain_model(ModelConfig(**fields), device)
+    model = plain_model(ModelConfig(**fields), device, dtype=dtype)
     load(model, from_hf(model.cfg, family, read_weights(folder, where), where), where)
     return model, load_tokenizer(identity), family.architecture

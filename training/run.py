@@ -22,6 +22,7 @@ from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import padded_vocab
 from training import distributed, pretrained
+from training.caches import cache_custom_autograd_graphs
 from training.checkpoint import Checkpointer, restore
 from training.config import TrainConfig
 from training.context_parallel import SequenceShard
@@ -62,8 +63,11 @@ class Run:
     profiler: StepProfiler
 
 
-def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device) -> Run:
-    """Build the run ``cfg`` describes on this rank's ``device``, resumed as ``trainer.resume`` says."""
+def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device: torch.device,
+              phase: Callable[[str], None] = lambda name: None) -> Run:
+    """Build the run ``cfg`` describes on this rank's ``device``, resumed as ``trainer.resume`` says.
+
+    ``phase(name)`` is called as each part is done: "data", "model", "optimizer" (StartupClock.phase)."""
     t = cfg.trainer
     dtype = resolve_dtype(t.dtype, device)
     captured = use_cuda_graph(t.cuda_graph, device, dtype, t.distributed, cfg.data.document_mask)
@@ -73,14 +77,18 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
     data = prepare_once(cfg.data, ranks)
     tokenizer = load_tokenizer(data.manifest)
     source = pretrained.open_checked(cfg.model.init_from, tokenizer) if cfg.model.init_from else None
+    phase("data")
     model_cfg = resolve_vocab(cfg.model, data.vocab_size)
     batch_size = resolve_batch_size(t.batch_size, model_cfg, cfg, device, dtype)
     attention, backend = build_attention(cfg.attention, device, ranks.context_group)
-    model = GPT(model_cfg, attention).to(device)
+    with torch.device(device):  # the weights are made and initialized where they train
+        model = GPT(model_cfg, attention)
     origin = pretrained.load_weights(model, source) if source else None
     parallel_model = distributed.wrap(model, ranks, device, dtype)
+    phase("model")
     optimizer = build_optimizer(model, cfg.optim, device)
     scaler = make_grad_scaler(device, dtype)
+    phase("optimizer")
     train_loader, val_loader = make_loaders(data, cfg, batch_size, ranks, device)
     lineage = {"tokenizer": tokenizer.identity, "corpus": corpus_identity(data.manifest)}
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -177,10 +185,12 @@ def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
     """The model under ``torch.compile`` as trainer.compile says: true, the whole model as one graph
     (under FSDP block by block, so the sharding hooks stay between the graphs); blocks, each block on
     its own (regional compilation): the blocks share one graph, compiled once, in a fraction of the
-    time, and what lies between them runs eagerly. Graphs an earlier job of a multirun compiled in this
+    time, and what lies between them runs eagerly. AOTAutograd's disk cache may keep graphs with our
+    custom autograd.Functions (training/caches.py). Graphs an earlier job of a multirun compiled in this
     process are dropped first: each run compiles its own (from the disk caches when it can), and a long
     multirun never meets dynamo's limit on recompilations, past which it would run uncompiled."""
     torch._dynamo.reset()
+    cache_custom_autograd_graphs()
     if how != "blocks" and not ranks.sharded:
         return torch.compile(parallel_model)
     for block in model.blocks:

@@ -1,9 +1,10 @@
 """What the loop runs on the model: one optimizer step, an evaluation, a sample of text."""
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 
 from data.loader import BatchLoader
+from data.tokenizers import default_prompt
 from model import GPT
 from training import distributed
 from training.config import TrainerConfig
@@ -72,15 +73,6 @@ def evaluate(step_model, loader: BatchLoader, iters: int, device, dtype, shard: 
     finally:
         step_model.train()
     return distributed.mean(total / iters).item()
-
-
-def default_prompt(tokenizer) -> List[int]:
-    """The token ids a sample starts from when no prompt is given: a newline, or where the vocabulary has
-    none (a char corpus of one line) its first token."""
-    try:
-        return tokenizer.encode("\n")
-    except ValueError:  # the char tokenizer knows only its corpus' characters
-        return [0]
 
 
 @torch.no_grad()

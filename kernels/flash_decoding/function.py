@@ -3,56 +3,41 @@
 One ``torch.library.custom_op`` with a registered fake, called in eager and while compiling alike:
 ``torch.compile`` sees an opaque node shaped by the fake (no graph break), and a CUDA graph
 captures its launches, since nothing in it reads the device from the host: the sequence lengths
-stay on the device, and the number of splits comes from shapes and the GPU's SM count only.
+stay on the device, and the launch settings come from shapes and the GPU only (launch.py).
 Inference only: there is no backward.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple
 
 import torch
-import triton
 
-from .kernel import block_n_for, decode_launch
+from .kernel import decode_launch
+from .launch import MAX_SPLITS, decode_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_QUERIES = 16
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-MAX_SPLITS = 128
-WAVES = 2  # programs per SM the split heuristic aims for
 
 
 @torch.library.custom_op("nanoflash::flash_decode", mutates_args=())
 def flash_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                     gate_cache: Optional[torch.Tensor], softmax_scale: float, window: int,
                     num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o (B, Tq, H, D) in q's dtype and lse (B, H, Tq) float32 (natural log); window 0 = none.
-    Arguments as :func:`flash_decode` takes them, already checked."""
-    return decode_launch(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits)
+    """o (B, Tq, H, D) in q's dtype and lse (B, H, Tq) float32 (natural log); window 0 = none; num_splits 0 =
+    chosen here (launch.py). Arguments as :func:`flash_decode` takes them, already checked. The launch is
+    chosen inside the op, where torch.compile does not trace (it reads the GPU's properties)."""
+    B, T_max, H_kv, D = k_cache.shape
+    config = decode_config(B, H_kv, T_max, D, q.element_size(), q.device, num_splits or None)
+    return decode_launch(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, *config)
 
 
 @flash_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits):
     B, Tq, H, D = q.shape
     return q.new_empty((B, Tq, H, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_splits(batch: int, kv_heads: int, capacity: int, head_dim: int, device: torch.device) -> int:
-    """How many programs share one sequence's cache: enough for ``WAVES`` programs per SM over the
-    batch's B * H_kv (sequence, KV head) pairs, at most one per ``BLOCK_N`` keys of the capacity and
-    at most ``MAX_SPLITS``. One on a CPU (the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    wanted = triton.cdiv(WAVES * _sm_count(device), batch * kv_heads)
-    return max(1, min(wanted, triton.cdiv(capacity, block_n_for(head_dim)), MAX_SPLITS))
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window_size, num_splits) -> None:
@@ -122,8 +107,8 @@ def flash_decode(
             of each query head (model.gate=forget), at every position the cache holds: each
             score gains c_p - c_j.
         num_splits: programs per (sequence, KV head) that share its cache; None picks from the
-            shapes and the GPU (``default_splits``). It never depends on the lengths, so a CUDA
-            graph captured once replays at any length.
+            shapes and the GPU (launch.py: ``decode_config``, which also picks the tiles). Nothing
+            depends on the lengths, so a CUDA graph captured once replays at any length.
         return_lse: also return each row's log-sum-exp.
 
     The new query t of sequence b sits at position p = cache_seqlens[b] - Tq + t and sees the
@@ -137,10 +122,7 @@ def flash_decode(
     ValueError on invalid shapes, dtypes or devices.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window_size, num_splits)
-    B, _, H, D = q.shape
-    if num_splits is None:
-        num_splits = default_splits(B, k_cache.shape[2], k_cache.shape[1], D, q.device)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     o, lse = flash_decode_op(q, k_cache, v_cache, cache_seqlens, gate_cache, float(scale), int(window_size or 0),
-                             int(num_splits))
+                             int(num_splits or 0))
     return (o, lse) if return_lse else o

@@ -32,14 +32,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-NUM_WARPS = 4
-NUM_STAGES = 3
 MERGE_WARPS = 4
-
-
-def block_n_for(head_dim: int) -> int:
-    """Keys per step of the split kernel's loop: 64, or 32 for heads wider than 128."""
-    return 64 if head_dim <= 128 else 32
 
 
 @triton.jit
@@ -167,14 +160,14 @@ def decode_launch(
     softmax_scale: float,
     window: int,
     num_splits: int,
-    block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and with ``num_splits`` > 1 the merge kernel); inputs as
     ``flash_decode`` takes them (checked there), window 0 = none. Returns o (B, Tq, H, D) in q's dtype
     and lse (B, H, Tq) float32, natural log. ``block_n``, ``num_warps``, ``num_stages``: the split
-    kernel's tile and launch settings (scripts/bench_decode.py sweeps them)."""
+    kernel's keys per step and launch settings (launch.py picks them; scripts/bench_decode.py sweeps them)."""
     B, Tq, H, D = q.shape
     G = H // k_cache.shape[2]
     o = torch.empty((B, Tq, H, D), dtype=q.dtype, device=q.device)
@@ -189,7 +182,7 @@ def decode_launch(
         softmax_scale * 1.4426950408889634, window, Tq, H, G, num_splits,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *sc, *o.stride()[:3],
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(G * Tq)),
-        BLOCK_N=block_n or block_n_for(D), HAS_WINDOW=window > 0, HAS_GATE=gate_cache is not None,
+        BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_GATE=gate_cache is not None,
         SINGLE=single, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
