@@ -94,6 +94,18 @@ def test_rows_with_a_stride_are_read_and_written_in_place():
     assert torch.equal(wide[:, 200:], before_tail)
 
 
+def test_autograd_refuses_a_saved_tensor_the_kernel_overwrote():
+    """The op bumps the logits' version counter (kernels/ops.py), so a backward through a tensor
+    the kernel wrote over raises instead of using the gradient in its place."""
+    logits, targets = random_case(3, 5, torch.float32)
+    x = logits.clone().requires_grad_()
+    y = x.exp()  # saves y for its backward
+    with torch.no_grad():
+        softmax_cross_entropy_(y, targets)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("logits, targets, message", [
     (torch.zeros(4), torch.zeros(4, dtype=torch.long), "must be \\(n, V\\)"),
     (torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, dtype=torch.long), "float32, float16 or bfloat16"),

@@ -213,38 +213,46 @@ def test_the_disk_key_changes_with_gpu_triton_source_shape_constexprs_and_candid
 
 
 def _launch_constexprs(monkeypatch, *calls) -> list[dict]:
-    """Per call of ``calls``: {kind: constexprs} of the tile kernels' launches it makes, as each
-    launch function hands them to its tuner (and then to the kernel)."""
+    """Per call of ``calls``: {kind: constexprs} of the tile kernels' launches it makes, as the
+    tuner reads them from the last of the values a launch function hands it (and keys its pick
+    on), after checking that the tensors and values are all the kernel's parameters but the tiles."""
     seen = []
     for tuner in (forward.FWD, backward.DQ, backward.DKDV):
-        def record(device, dtype, rows, grid_yz, args, constexprs, tuner=tuner, pick=tuner.pick):
-            seen[-1][tuner.kind] = constexprs
-            return pick(device, dtype, rows, grid_yz, args, constexprs)
+        def record(rows, grid_yz, tensors, values, cfg=None, tuner=tuner, launch=tuner.launch):
+            names = tuner.constexpr_names
+            assert len(tensors) + len(values) == len(_params(tuner.jit)) - 2
+            seen[-1][tuner.kind] = dict(zip(names, values[len(values) - len(names):]))
+            return launch(rows, grid_yz, tensors, values, cfg)
 
-        monkeypatch.setattr(tuner, "pick", record)
+        monkeypatch.setattr(tuner, "launch", record)
     for call in calls:
         seen.append({})
         call()
     return seen
 
 
-def _constexpr_params(jit) -> set[str]:
-    """The names of a Triton kernel's constexpr parameters (read from its JIT signature)."""
+def _params(jit) -> list:
+    """A Triton kernel's parameters (``KernelParam``: name, is_constexpr) from its JIT signature."""
     from triton.runtime.jit import JITFunction
 
-    jit = jit if hasattr(jit, "params") else JITFunction(jit.fn)  # the interpreter's has no parameter list
-    return {p.name for p in jit.params if p.is_constexpr}
+    return (jit if hasattr(jit, "params") else JITFunction(jit.fn)).params  # the interpreter's has no list
+
+
+def _constexpr_params(jit) -> list[str]:
+    """The names of a Triton kernel's constexpr parameters, in signature order."""
+    return [p.name for p in _params(jit) if p.is_constexpr]
 
 
 def test_the_tuning_key_holds_every_constexpr_but_the_tiles(monkeypatch):
-    """Each launch hands its tuner (whose key is built from it) the very dict of constexprs it
-    passes the kernel: every constexpr of the kernel but BLOCK_M and BLOCK_N, so a constexpr the
-    kernel gains cannot be left out of the key. A gated call's differ from a plain one's in
-    HAS_GATE only."""
+    """Each launch hands its tuner every argument of the kernel but BLOCK_M and BLOCK_N, the
+    constexprs last, and the tuner keys its pick on all of those constexprs (named by the kernel's
+    signature, as Triton reads them), so a constexpr the kernel gains cannot be left out of the
+    key. A gated call's differ from a plain one's in HAS_GATE only."""
     B, T, H, D = 1, 8, 2, 16
-    q = torch.zeros(B, T, H, D)
-    lse = torch.zeros(B, H, T)
-    g = torch.zeros(B, T, H)
+    device = "cuda" if CUDA else "cpu"
+    q = torch.zeros(B, T, H, D, device=device)
+    lse = torch.zeros(B, H, T, device=device)
+    g = torch.zeros(B, T, H, device=device)
 
     def run(gate):
         return lambda: (forward.attn_fwd(q, q, q, 0.25, True, g=gate),
@@ -253,7 +261,8 @@ def test_the_tuning_key_holds_every_constexpr_but_the_tiles(monkeypatch):
     plain, gated = _launch_constexprs(monkeypatch, run(None), run(g))
     assert set(plain) == set(gated) == {"fwd", "dq", "dkdv"}
     for tuner in (forward.FWD, backward.DQ, backward.DKDV):
-        assert set(plain[tuner.kind]) == _constexpr_params(tuner.jit) - {"BLOCK_M", "BLOCK_N"}
+        assert list(plain[tuner.kind]) == _constexpr_params(tuner.jit)[:-2] and _constexpr_params(tuner.jit)[-2:] \
+            == ["BLOCK_M", "BLOCK_N"]
         differ = {n for n in plain[tuner.kind] if plain[tuner.kind][n] != gated[tuner.kind][n]}
         assert differ == {"HAS_GATE"}
 

@@ -1,6 +1,6 @@
 """Softmax cross-entropy in one Triton kernel that writes the logits' gradient in place.
 
-``softmax_cross_entropy_(logits, targets, softcap=None) -> loss_rows`` (custom op, see kernel.py),
+``softmax_cross_entropy_(logits, targets, softcap=None) -> loss_rows`` (an op, see kernel.py),
 its plain PyTorch reference ``softmax_cross_entropy_ref`` and ``capped_logits``, the one definition
 of a soft-capped logit. ``fused_cross_entropy_available(t)`` says
 whether the kernel can run on a tensor; model/loss.py falls back to PyTorch where it cannot.

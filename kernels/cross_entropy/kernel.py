@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops import define_op
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 BLOCK_V = 8192  # with 16 warps the fastest of scripts/bench_cross_entropy.py's sweep on the H100
 NUM_WARPS = 16
@@ -99,17 +101,24 @@ def softmax_xent_launch(logits: torch.Tensor, targets: torch.Tensor, softcap: Op
     return loss_rows
 
 
-@torch.library.custom_op("nanoflash::softmax_cross_entropy_", mutates_args={"logits"})
-def softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+def _softmax_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-row cross-entropy (n,) float32 of logits (n, V) against targets (n,) int64; logits are
     overwritten with the gradient of the rows' sum, softmax - onehot, in their own dtype. With
     ``softcap`` = s the logits are read as s * tanh(logits / s) and the gradient is the raw logits'.
 
-    A custom op: opaque to ``torch.compile`` (no graph break), run as the Triton kernel."""
-    return softmax_xent_launch(logits, targets, softcap)
+    The implementation of the op ``softmax_cross_entropy_`` (``kernels/ops.py``): opaque to
+    ``torch.compile`` (no graph break), run as the Triton kernel."""
+    loss_rows = softmax_xent_launch(logits, targets, softcap)
+    torch.autograd.graph.increment_version(logits)  # written by the kernel, unseen by autograd (kernels/ops.py)
+    return loss_rows
 
 
-@softmax_cross_entropy_.register_fake
-def _(logits: torch.Tensor, targets: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+def _softmax_cross_entropy_fake(logits: torch.Tensor, targets: torch.Tensor,
+                                softcap: Optional[float] = None) -> torch.Tensor:
     _check(logits, targets, softcap)
     return logits.new_empty(logits.shape[0], dtype=torch.float32)
+
+
+softmax_cross_entropy_ = define_op(
+    "nanoflash::softmax_cross_entropy_", "(Tensor(a!) logits, Tensor targets, float? softcap=None) -> Tensor",
+    _softmax_cross_entropy_, _softmax_cross_entropy_fake)

@@ -469,20 +469,14 @@ def attn_bwd(
     block_d = max(16, next_power_of_2(D))
     scalars = (softmax_scale * LOG2E, softmax_scale, 1.0 / (1.0 - dropout_p), T, H, H // H_kv, window,
                dropout_threshold(dropout_p), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    constexprs = dict(HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d, IS_CAUSAL=causal, HAS_WINDOW=window > 0,
-                      IS_VARLEN=cu_seqlens is not None, HAS_DROPOUT=dropout_p > 0, HAS_GATE=g is not None,
-                      IEEE=q.dtype == torch.float32)
-
-    dq_args = (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
-               *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3])
-    dq_constexprs = {**constexprs, "HAS_DLSE": dlse is not None}
-    grid_yz = (n_seq, H)
-    cfg = tiles["dq"] if tiles else DQ.pick(q.device, q.dtype, max_len, grid_yz, dq_args, dq_constexprs)
-    _attn_bwd_dq_kernel[DQ.grid(cfg, max_len, grid_yz)](*dq_args, **dq_constexprs, **cfg.options)
-
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc, *scalars,
-                 *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
-    grid_yz = (n_seq, H_kv)
-    cfg = tiles["dkdv"] if tiles else DKDV.pick(q.device, q.dtype, max_len, grid_yz, dkdv_args, constexprs)
-    _attn_bwd_dkdv_kernel[DKDV.grid(cfg, max_len, grid_yz)](*dkdv_args, **constexprs, **cfg.options)
+    # the constexprs: HEAD_DIM, BLOCK_D, EVEN_D, IS_CAUSAL, HAS_WINDOW, IS_VARLEN, (dQ: HAS_DLSE,)
+    # HAS_DROPOUT, HAS_GATE, IEEE
+    shape_flags = (D, block_d, D == block_d, causal, window > 0, cu_seqlens is not None)
+    path_flags = (dropout_p > 0, g is not None, q.dtype == torch.float32)
+    DQ.launch(max_len, (n_seq, H), (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc),
+              (*scalars, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *shape_flags, dlse is not None,
+               *path_flags), tiles["dq"] if tiles else None)
+    DKDV.launch(max_len, (n_seq, H_kv), (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc),
+                (*scalars, *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *shape_flags, *path_flags),
+                tiles["dkdv"] if tiles else None)
     return dq, dk, dv, None if dc is None else gate_grad(dc, cu_seqlens)

@@ -27,18 +27,20 @@ def check_inputs(name: str, q, k, v, causal, softmax_scale, window_size, cu_seql
         raise ValueError(f"{name}: dtype {q.dtype} not supported; use one of {DTYPES}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{name}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{name}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{name}: tensors must be on a CUDA device (got {q.device}); on CPU set "
+    device = q.device
+    if k.device != device or v.device != device:
+        raise ValueError(f"{name}: q, k, v must be on one device, got {device}, {k.device}, {v.device}")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name}: tensors must be on a CUDA device (got {device}); on CPU set "
                          "TRITON_INTERPRET=1 (slow, for tests)")
     B, T, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"{name}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-        raise ValueError(f"{name}: k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in (B, T, ., D)")
-    if k.shape[2] == 0 or H % k.shape[2] != 0:
-        raise ValueError(f"{name}: query heads ({H}) must be a multiple of kv heads ({k.shape[2]})")
+    kv_shape = k.shape
+    if kv_shape != v.shape:
+        raise ValueError(f"{name}: k and v shapes differ: {tuple(kv_shape)} vs {tuple(v.shape)}")
+    if kv_shape[0] != B or kv_shape[1] != T or kv_shape[3] != D:
+        raise ValueError(f"{name}: k/v shape {tuple(kv_shape)} does not match q {tuple(q.shape)} in (B, T, ., D)")
+    if kv_shape[2] == 0 or H % kv_shape[2] != 0:
+        raise ValueError(f"{name}: query heads ({H}) must be a multiple of kv heads ({kv_shape[2]})")
     if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
         raise ValueError(f"{name}: head dim {D} out of range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
@@ -63,9 +65,7 @@ def check_inputs(name: str, q, k, v, causal, softmax_scale, window_size, cu_seql
 
 
 def check_gate(name: str, g, shape: tuple[int, int, int], device: torch.device) -> None:
-    """g must be None or a float32 (B, T, H) tensor of log forget gates on the inputs' device."""
-    if g is None:
-        return
+    """g (not None) must be a float32 (B, T, H) tensor of log forget gates on the inputs' device."""
     if not (isinstance(g, torch.Tensor) and tuple(g.shape) == shape and g.dtype == torch.float32
             and g.device == device):
         got = type(g).__name__ if not isinstance(g, torch.Tensor) else f"{g.dtype} {tuple(g.shape)} on {g.device}"

@@ -265,15 +265,13 @@ def attn_fwd(
         return o, lse
     c_hi, c_lo = gate_cumsum(g) if g is not None else (None, None)
     block_d = max(16, next_power_of_2(D))
-    args = (q, k, v, o, lse, cu_seqlens, rng, c_hi, c_lo,
-            softmax_scale * LOG2E, 1.0 / (1.0 - dropout_p), T, H, H // k.shape[2], window, dropout_threshold(dropout_p),
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3])
-    constexprs = dict(HEAD_DIM=D, BLOCK_D=block_d, EVEN_D=D == block_d, IS_CAUSAL=causal, HAS_WINDOW=window > 0,
-                      IS_VARLEN=cu_seqlens is not None, HAS_DROPOUT=dropout_p > 0, HAS_GATE=g is not None,
-                      IEEE=q.dtype == torch.float32)
-    grid_yz = (n_seq, H)
-    cfg = tiles["fwd"] if tiles else FWD.pick(q.device, q.dtype, max_len, grid_yz, args, constexprs)
-    _attn_fwd_kernel[FWD.grid(cfg, max_len, grid_yz)](*args, **constexprs, **cfg.options)
+    values = (softmax_scale * LOG2E, 1.0 / (1.0 - dropout_p), T, H, H // k.shape[2], window,
+              dropout_threshold(dropout_p), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+              # the constexprs: HEAD_DIM, BLOCK_D, EVEN_D, IS_CAUSAL, HAS_WINDOW, IS_VARLEN, HAS_DROPOUT, HAS_GATE, IEEE
+              D, block_d, D == block_d, causal, window > 0, cu_seqlens is not None, dropout_p > 0, g is not None,
+              q.dtype == torch.float32)
+    FWD.launch(max_len, (n_seq, H), (q, k, v, o, lse, cu_seqlens, rng, c_hi, c_lo), values,
+               tiles["fwd"] if tiles else None)
     return o, lse
 
 

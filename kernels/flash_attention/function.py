@@ -3,16 +3,16 @@
 - Public: :func:`flash_attn` (q, k, v), :func:`flash_attn_qkvpacked` (q, k, v side by side in one
   tensor, as a fused projection makes them) and :func:`flash_attn_backward` (the gradients given
   an output and lse computed elsewhere: ring attention's step).
-- Ops: ``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` (``torch.library.custom_op``,
-  as the cross-entropy kernel's, each with a fake), so ``torch.compile`` sees opaque calls and
-  traces with ``fullgraph=True``; eager calls go through the same ops. Each takes either q, k, v or,
-  with ``k = v = None``, the packed qkv and ``n_head``; the packed backward returns qkv's gradient
-  as one tensor (dk, dv empty), so nothing concatenates dq, dk and dv.
-- Autograd: one :class:`FlashAttnFunction` around the pair (not the ops' ``register_autograd``,
-  whose Python layer costs host time on every call; FlashAttention's ``flash_attn_interface.py``
-  is built the same way).
-- Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` call ``kernel[grid](...)`` with the
-  config their ``tuning.Tuner`` picks.
+- Ops: ``nanoflash::flash_attn_fwd`` and ``nanoflash::flash_attn_bwd`` (``kernels.ops.define_op``:
+  ``torch.library`` define + impl + fake, as the cross-entropy kernel's), so ``torch.compile`` sees
+  opaque calls and traces with ``fullgraph=True``; eager calls go through the same ops. Each takes
+  either q, k, v or, with ``k = v = None``, the packed qkv and ``n_head``; the packed backward
+  returns qkv's gradient as one tensor (dk, dv None), so nothing concatenates dq, dk and dv.
+- Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
+  ``flash_attn_interface.py`` is built the same way).
+- Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
+  them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
+  binary Triton picked for an earlier call with the same arguments: ``launch.py``).
 
 Saved for backward: q, k, v (or qkv), o (B, T, H, D), lse (B, H, T) float32, cu_seqlens, with
 dropout the (2,) int64 RNG state the forward drew (``dropout.py``) and with a forget gate g
@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..ops import define_op
 from .backward import attn_bwd
 from .checks import check_gate, check_inputs, longest_document
 from .dropout import draw_dropout_rng
@@ -39,61 +40,74 @@ def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
     return qkv.split_with_sizes([n_head, n_kv_head, n_kv_head], 2)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
-def _flash_attn_fwd(q: Tensor, k: Optional[Tensor], v: Optional[Tensor], cu_seqlens: Optional[Tensor],
-                    rng: Optional[Tensor], g: Optional[Tensor], n_head: int, max_seqlen: int, softmax_scale: float,
-                    causal: bool, window: int, dropout_p: float) -> tuple[Tensor, Tensor]:
+def op_options(n_head: int, max_seqlen: int, softmax_scale: float, causal: bool, window: int,
+               dropout_p: float) -> list[float]:
+    """The ops' scalar arguments in one ``float[]``: the dispatcher converts and checks each argument
+    of a call, and one list costs it a third of what six scalars do (docs/KERNEL.md, the host path).
+    n_head: query heads of a packed qkv (0 otherwise); max_seqlen: the longest document with
+    cu_seqlens (0 otherwise); window: 0 for none."""
+    return [n_head, max_seqlen, softmax_scale, bool(causal), window, dropout_p]
+
+
+def unpack(options: list[float]) -> tuple[int, int, float, bool, int, float]:
+    """(n_head, max_seqlen, softmax_scale, causal, window, dropout_p) of :func:`op_options`' list."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = options
+    return int(n_head), int(max_seqlen), softmax_scale, bool(causal), int(window), dropout_p
+
+
+def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
     """o (B, T, H, D) in q's dtype and lse (B, H, T) float32; q is the packed qkv when k is None."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
     if k is None:
         q, k, v = split_qkv(q, n_head)
     return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, max_seqlen, rng, dropout_p, g)
 
 
-@_flash_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window, dropout_p):
+def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, options):
     B, T, H, D = q.shape
-    H = n_head if k is None else H
+    H = int(options[0]) if k is None else H
     return q.new_empty((B, T, H, D)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
-def _flash_attn_bwd(do: Tensor, q: Tensor, k: Optional[Tensor], v: Optional[Tensor], o: Tensor, lse: Tensor,
-                    dlse: Optional[Tensor], cu_seqlens: Optional[Tensor], rng: Optional[Tensor], g: Optional[Tensor],
-                    n_head: int, max_seqlen: int, softmax_scale: float, causal: bool, window: int,
-                    dropout_p: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv (contiguous) and dg; packed (k is None): dqkv shaped like qkv and two empty tensors.
-    dg is an empty float32 tensor without a gate (an op's outputs are tensors)."""
+def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
+    """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
+    qkv, None, None and dg."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
     if k is None:
         dqkv = q.new_empty(q.shape)
         _, _, _, dg = attn_bwd(do, *split_qkv(q, n_head), o, lse, softmax_scale, causal, window, cu_seqlens,
                                max_seqlen, dlse, rng, dropout_p, g, out=split_qkv(dqkv, n_head))
-        grads = (dqkv, q.new_empty(0), q.new_empty(0))
-    else:
-        *grads, dg = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, max_seqlen, dlse, rng,
-                              dropout_p, g)
-    return *grads, dg if dg is not None else q.new_empty(0, dtype=torch.float32)
+        return dqkv, None, None, dg
+    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, max_seqlen, dlse, rng,
+                    dropout_p, g)
 
 
-@_flash_attn_bwd.register_fake
-def _(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window, dropout_p):
-    dg = g.new_empty(g.shape) if g is not None else q.new_empty(0, dtype=torch.float32)
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
+    dg = None if g is None else g.new_empty(g.shape)
     if k is None:
-        return q.new_empty(q.shape), q.new_empty(0), q.new_empty(0), dg
+        return q.new_empty(q.shape), None, None, dg
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg
 
 
-flash_attn_fwd = torch.ops.nanoflash.flash_attn_fwd.default  # the overloads: what eager and compiled call
-flash_attn_bwd = torch.ops.nanoflash.flash_attn_bwd.default
+flash_attn_fwd = define_op(
+    "nanoflash::flash_attn_fwd",
+    "(Tensor q, Tensor? k, Tensor? v, Tensor? cu_seqlens, Tensor? rng, Tensor? g, float[] options) -> (Tensor, Tensor)",
+    _flash_attn_fwd, _flash_attn_fwd_fake)
+flash_attn_bwd = define_op(
+    "nanoflash::flash_attn_bwd",
+    "(Tensor do, Tensor q, Tensor? k, Tensor? v, Tensor o, Tensor lse, Tensor? dlse, Tensor? cu_seqlens, Tensor? rng,"
+    " Tensor? g, float[] options) -> (Tensor, Tensor?, Tensor?, Tensor?)",
+    _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 class FlashAttnFunction(torch.autograd.Function):
     """Autograd of the public functions: the forward op, then the backward op on what it saved.
-    ``apply(q, k, v, cu_seqlens, rng, g, n_head, max_seqlen, softmax_scale, causal, window,
-    dropout_p)``, with q the packed qkv and k = v = None for the packed layout."""
+    ``apply(q, k, v, cu_seqlens, rng, g, options)`` with the ops' :func:`op_options`; q is the packed
+    qkv and k = v = None for the packed layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, rng, g, *options):
-        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, *options)
+    def forward(ctx, q, k, v, cu_seqlens, rng, g, options):
+        o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng, g)
         ctx.options = options
         ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
@@ -104,27 +118,26 @@ class FlashAttnFunction(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens, rng, g = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
-        dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, *ctx.options)
-        if k is None:
-            dk = dv = None
-        return dq, dk, dv, None, None, dg if g is not None else None, None, None, None, None, None, None
+        dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, ctx.options)
+        return dq, dk, dv, None, None, dg, None
 
 
 def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_seqlens, max_seqlen, return_lse,
             dropout_p, g):
     """The two public functions after their own checks: q, k, v are views of qkv when it is given."""
     check_inputs(name, q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p)
-    check_gate(name, g, (*q.shape[:3],), q.device)
+    if g is not None:
+        check_gate(name, g, (*q.shape[:3],), q.device)
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = longest_document(name, cu_seqlens, q.shape[1])
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     rng = draw_dropout_rng(q.device) if dropout_p > 0 else None
-    if qkv is None:
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    else:
+    if qkv is not None:
         q, k, v = qkv if qkv.stride(-1) == 1 else qkv.contiguous(), None, None
-    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g, n_head, max_seqlen or 0, scale, bool(causal),
-                                     int(window_size or 0), float(dropout_p))
+    elif q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g,
+                                     op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p))
     return (o, lse) if return_lse else o
 
 
@@ -204,6 +217,6 @@ def flash_attn_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
     check_inputs(name, q, k, v, causal, softmax_scale, None, None, 0.0)
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
-    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse.float().contiguous(), None, None, None, None, 0, 0, scale,
-                                   bool(causal), 0, 0.0)
+    dq, dk, dv, _ = flash_attn_bwd(do, q, k, v, o, lse.float().contiguous(), None, None, None, None,
+                                   op_options(0, 0, scale, causal, 0, 0.0))
     return dq, dk, dv

@@ -1,7 +1,9 @@
-"""Which config each launch of a tile kernel uses: one :class:`Tuner` per kernel (forward, dQ, dK/dV).
+"""The config and the launch of a tile kernel: one :class:`Tuner` per kernel (forward, dQ, dK/dV).
 
-A launch function builds its kernel's arguments, asks its tuner for a config and calls
-``kernel[grid](*args, **constexprs, **config.options)``. The config is a speed choice only: every
+A launch function builds its kernel's arguments (the tensors, then the other values, then the
+constexprs by name) and hands them to :meth:`Tuner.launch`, which picks a config and calls
+``kernel[grid](*tensors, *values, **constexprs, **config.options)``, or replays the binary of an
+earlier call with the same arguments (``launch.py``). The config is a speed choice only: every
 candidate computes the same result.
 
 :meth:`Tuner.pick` keeps one config per *tuning key*: the device, q's dtype, the T bucket
@@ -18,6 +20,8 @@ compilation that takes longer than ``notice_after_s`` says so on stderr, once.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 import time
@@ -27,8 +31,10 @@ from typing import Callable, Optional
 
 from . import tune_cache
 from .configs import INTERPRET_CONFIGS, TileConfig, describe_device, shortlist
+from .launch import Replay
 
 KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
+TILE_NAMES = ("BLOCK_M", "BLOCK_N")
 
 
 def next_power_of_2(n: int) -> int:
@@ -125,10 +131,38 @@ class Tuner:
         self.notice_after_s = notice_after_s
         self.interpreted = type(jit).__name__ == "InterpretedFunction"
         self.picks: dict[tuple, TileConfig] = {}  # tuning key -> config
+        self.replay = Replay(jit)
 
     def grid(self, cfg: TileConfig, rows: int, grid_yz: tuple[int, int]) -> tuple[int, int, int]:
         """Axis 0 covers ``rows`` in tiles of the resident block; axes 1, 2 are ``grid_yz``."""
         return ceil_div(rows, cfg.BLOCK_M if self.resident == "BLOCK_M" else cfg.BLOCK_N), *grid_yz
+
+    @functools.cached_property
+    def constexpr_names(self) -> tuple[str, ...]:
+        """The kernel's constexpr parameters but the tiles, in signature order (what Triton reads as
+        a constexpr: a parameter annotated ``tl.constexpr``)."""
+        params = inspect.signature(self.jit.fn).parameters.values()
+        return tuple(p.name for p in params if "constexpr" in str(p.annotation) and p.name not in TILE_NAMES)
+
+    def launch(self, rows: int, grid_yz: tuple[int, int], tensors: tuple, values: tuple,
+               cfg: Optional[TileConfig] = None) -> None:
+        """``jit[grid](*tensors, *values)`` with ``cfg`` (None: :meth:`pick`'s, for the device and
+        dtype of ``tensors[0]``, q), the grid covering ``rows`` and ``grid_yz``. ``tensors`` are the
+        kernel's leading arguments, ``values`` all the others but the tiles, its constexprs last; the
+        binary of an earlier call with the same plan key is replayed (``launch.py``)."""
+        q = tensors[0]
+        key = self.replay.key((q.device, rows, grid_yz, cfg), tensors, values)
+        plan = self.replay.plans.get(key)
+        if plan is not None:
+            plan.launch(*tensors, *values, *plan.rest)
+            return
+        split = len(values) - len(self.constexpr_names)
+        args, constexprs = tensors + values[:split], dict(zip(self.constexpr_names, values[split:]))
+        if cfg is None:
+            cfg = self.pick(q.device, q.dtype, rows, grid_yz, args, constexprs)
+        grid = self.grid(cfg, rows, grid_yz)
+        compiled = self.jit[grid](*args, **constexprs, **cfg.options)
+        self.replay.record(key, compiled, grid, tensors, values, cfg.options)
 
     def pick(self, device, dtype, rows: int, grid_yz: tuple[int, int], args: tuple, constexprs: dict) -> TileConfig:
         """The config of a launch over ``rows`` (the longest sequence) with ``args`` and ``constexprs``."""

@@ -1,6 +1,6 @@
 """Flash-decoding: a few new queries against a KV cache, the cache split over programs (Triton).
 
-``flash_decode(q, k_cache, v_cache, cache_seqlens, ...)`` (function.py: the custom op and the
+``flash_decode(q, k_cache, v_cache, cache_seqlens, ...)`` (function.py: the op and the
 public function), ``decode_launch`` (kernel.py: the kernels and their launch), ``decode_config``
 (launch.py: the splits and tiles, from shapes and the GPU), and the plain PyTorch reference
 ``decode_ref`` (reference.py). ``flash_decode_available(t)`` says whether the kernel can run on a

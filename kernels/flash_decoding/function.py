@@ -1,6 +1,7 @@
 """Flash-decoding's op and public function: ``nanoflash::flash_decode`` and :func:`flash_decode`.
 
-One ``torch.library.custom_op`` with a registered fake, called in eager and while compiling alike:
+One ``torch.library`` op with a registered fake (``kernels/ops.py``: ``define_op``, as the flash and
+cross-entropy kernels' ops), called in eager and while compiling alike:
 ``torch.compile`` sees an opaque node shaped by the fake (no graph break), and a CUDA graph
 captures its launches, since nothing in it reads the device from the host: the sequence lengths
 stay on the device, and the launch settings come from shapes and the GPU only (launch.py).
@@ -14,6 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..ops import define_op
 from .kernel import decode_launch
 from .launch import MAX_SPLITS, decode_config
 
@@ -22,10 +24,9 @@ MAX_QUERIES = 16
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
-@torch.library.custom_op("nanoflash::flash_decode", mutates_args=())
-def flash_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                    gate_cache: Optional[torch.Tensor], softmax_scale: float, window: int,
-                    num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                  gate_cache: Optional[torch.Tensor], softmax_scale: float, window: int,
+                  num_splits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """o (B, Tq, H, D) in q's dtype and lse (B, H, Tq) float32 (natural log); window 0 = none; num_splits 0 =
     chosen here (launch.py). Arguments as :func:`flash_decode` takes them, already checked. The launch is
     chosen inside the op, where torch.compile does not trace (it reads the GPU's properties)."""
@@ -34,10 +35,16 @@ def flash_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return decode_launch(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, *config)
 
 
-@flash_decode_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits):
+def _flash_decode_fake(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window, num_splits):
     B, Tq, H, D = q.shape
     return q.new_empty((B, Tq, H, D)), q.new_empty((B, H, Tq), dtype=torch.float32)
+
+
+flash_decode_op = define_op(
+    "nanoflash::flash_decode",
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? gate_cache, float softmax_scale,"
+    " int window, int num_splits) -> (Tensor, Tensor)",
+    _flash_decode, _flash_decode_fake)
 
 
 def _validate(q, k_cache, v_cache, cache_seqlens, gate_cache, softmax_scale, window_size, num_splits) -> None:
