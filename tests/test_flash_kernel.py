@@ -831,13 +831,13 @@ def test_dropout_under_cuda_graph_capture_draws_fresh_bits_each_replay_cuda():
     """A captured step replays with a new RNG state each time (torch's CUDA generator advances its
     offset on every replay) and computes exactly what an eager call with that state computes; the
     public function, captured, also changes its output from replay to replay."""
-    from kernels.flash_attention.function import FlashAttnFunction
+    from kernels.flash_attention.function import FlashAttnFunction, op_options
 
     q, k, v, do, _ = make_inputs(Case(2, 300, 4, 2, 64, BF16))
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
 
     def attend(rng):
-        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, None, 0, 0, 64 ** -0.5, True, 0, 0.1)
+        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, None, op_options(0, 0, 64 ** -0.5, True, 0, 0.1))
         return o, torch.autograd.grad(o, (q, k, v), do)
 
     def step():
