@@ -1,6 +1,7 @@
 """Every error that reaches the user is one line and exit status 2 (a signal: 128 + its number), from
 train.py and from every script (training/exits.py); options that contradict each other are refused
 when the config is validated, and in a sweep before the first job trains."""
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +19,8 @@ from training.signals import StopSignal
 
 SCRIPTS = sorted(p.name for p in (REPO / "scripts").glob("*.py") if p.name not in ("__init__.py", "bench_common.py"))
 NO_GPU = not torch.cuda.is_available()
+HF_PACKAGES = all(importlib.util.find_spec(name) for name in ("transformers", "tokenizers", "safetensors"))
+NO_CHECKPOINT = "{tmp}/missing holds no checkpoint" if HF_PACKAGES else "pip install transformers safetensors"
 
 
 def one_error_line(stderr: str) -> str:
@@ -53,8 +56,8 @@ WALK = [
     ("sample.py", ["{tmp}/missing"], "{tmp}/missing holds no checkpoint"),
     ("sample.py", ["{tmp}/missing", "--tokens", "1000000"], "--tokens=1000000 is more than 100,000"),
     ("sample.py", ["{tmp}/missing", "--seed", "-1"], "--seed=-1 must be in [0, 2**64)"),
-    ("export_hf.py", ["{tmp}/missing", "--out", "{tmp}/hf"], "{tmp}/missing holds no checkpoint"),
-    ("check_export.py", ["{tmp}/missing", "--out", "{tmp}/check"], "{tmp}/missing holds no checkpoint"),
+    ("export_hf.py", ["{tmp}/missing", "--out", "{tmp}/hf"], NO_CHECKPOINT),  # without the packages: that first
+    ("check_export.py", ["{tmp}/missing", "--out", "{tmp}/check"], NO_CHECKPOINT),
     ("prepare_corpus.py", ["unpack", "{tmp}/missing.tar.xz"], "{tmp}/missing.tar.xz: no such file"),
     ("recipe_ablation.py", ["report", "{tmp}/missing", "--out", "{tmp}/report"], "{tmp}/missing is not a run folder"),
     ("startup_report.py", ["table", "{tmp}/missing.jsonl"], "{tmp}/missing.jsonl: no such file of runs"),
