@@ -208,3 +208,23 @@ def test_out_of_memory_outside_the_steps_gets_the_same_advice(capsys):
     err = capsys.readouterr().err
     assert exited.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith("error: out of GPU memory") and "checkpoints written so far are kept. Try a smaller trainer.batch_size" in err
+
+
+def test_hydras_argument_parser_reads_every_flag_as_the_early_checks_expect():
+    """training/cli.py reads the command line with hydra._internal.utils.get_args_parser (``hydra_args``),
+    Hydra's one private function it calls: this pins what it returns under the hydra-core that
+    requirements.txt allows (>=1.3,<1.4), so a release that changes it fails here, not in a user's run."""
+    import hydra
+    from training.cli import hydra_args
+
+    assert hydra.__version__.startswith("1.3."), hydra.__version__
+    argv = ["-m", "--cfg", "job", "-p", "model", "-cn", "config", "-cp", "configs", "-cd", "/tmp/x", "--info",
+            "defaults", "-r", "model=tiny", "trainer.max_steps=3"]
+    assert {key: value for key, value in vars(hydra_args(argv)).items() if key != "experimental_rerun"} == {
+        "help": False, "hydra_help": False, "overrides": ["model=tiny", "trainer.max_steps=3"], "cfg": "job",
+        "resolve": False, "package": "model", "run": True, "multirun": True, "shell_completion": False,
+        "config_path": "configs", "config_name": "config", "config_dir": "/tmp/x", "info": "defaults"}
+    plain = vars(hydra_args(["attention=flash"]))
+    assert plain["overrides"] == ["attention=flash"] and not plain["multirun"] and plain["config_dir"] is None
+    with pytest.raises(SystemExit):  # a wrong flag: Hydra's usage line and status 2
+        hydra_args(["--no-such-flag"])

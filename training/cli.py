@@ -38,7 +38,9 @@ GROUPS = ("model", "attention", "data", "optim", "trainer", "logger", "experimen
 
 def hydra_args(argv: List[str]) -> argparse.Namespace:
     """The command line as Hydra reads it: its own flags (--cfg, --info, -cn, -cp, -cd, -m, ...) and
-    the overrides it will apply (``.overrides``). A wrong flag stops here with Hydra's usage line."""
+    the overrides it will apply (``.overrides``). A wrong flag stops here with Hydra's usage line.
+    The one private function of Hydra's that nanoflash calls, ``hydra._internal.utils.get_args_parser``:
+    tests/test_cli.py pins what it returns under the hydra-core of requirements.txt."""
     return get_args_parser().parse_args(argv)
 
 
