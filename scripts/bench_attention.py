@@ -53,7 +53,7 @@ from model.attention import BACKENDS, build_attention, hybrid, tiled, unavailabl
 from model.config import AttentionConfig  # noqa: E402
 from scripts.bench_common import (ANCHORS, SDPA_KERNELS, causal_flops, command_line, environment, fail,  # noqa: E402
                                   first_line, forced_sdpa, median_ms, relative_error, tflops)
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
 SWEEP_TOKENS = 32768
@@ -395,7 +395,7 @@ def write_all(rows, meta, out: Path) -> None:
 # --- command line ---------------------------------------------------------------------------------
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["anchors", "sweep", "seed001"],
                    help="anchors: the six (B,H,T,D) anchor shapes; sweep: T 512..32768 at B*T=32768, H=12, D=64; "
                         "seed001: (4|1, 12, 2048, 64) and (4, 12, 512|1024, 64) with naive, tiled, hybrid, hybrid@N "

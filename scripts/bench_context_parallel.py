@@ -44,7 +44,7 @@ from model import GPT, ModelConfig  # noqa: E402
 from model.attention import build_attention, ring_attention_of  # noqa: E402
 from model.config import AttentionConfig, padded_vocab  # noqa: E402
 from training.cli import compose_config  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.config import OptimConfig  # noqa: E402
 from training.fit import free_memory  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
@@ -65,7 +65,7 @@ MODEL_RANKS = (1, 2, 4, 8)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="8192,16384", help="comma-separated sequence lengths T (batch 1)")
     p.add_argument("--paths", default="plain,ring", help="plain, ring or both")
     p.add_argument("--steps", type=int, default=5, help="timed steps per row")

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import command_line, environment, median_ms, require_cuda  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 CASES = [(4096, 50304, torch.bfloat16), (12288, 50304, torch.bfloat16), (4096, 50304, torch.float16)]
@@ -61,7 +61,7 @@ def bench_case(n: int, V: int, dtype: torch.dtype) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the markdown table to this file")
     args = parser.parse_args()
     require_cuda("bench_cross_entropy.py", "times the Triton kernel",

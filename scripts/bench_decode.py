@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import (ROOT, command_line, environment, first_line, graph_median_ms, median_ms,  # noqa: E402
                                   require_cuda)
+from training.exits import ArgumentParser  # noqa: E402
 
 CUDA = torch.device("cuda")
 PARTS = ("generate", "kernel", "sweep")
@@ -420,7 +421,7 @@ def parse_list(text: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the tables and raw results")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--batches", default="1,8", help="generate: batch sizes")

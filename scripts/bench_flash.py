@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
                                   forced_sdpa, graph_median_ms, median_ms, parse_shapes, relative_error, require_cuda,
                                   tflops)
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -444,7 +444,7 @@ def chosen_configs() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None,
                     help="folder for bench.json and bench.md (dropout.*, first_call.*, gate.* in those modes)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")

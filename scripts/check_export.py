@@ -25,14 +25,14 @@ import torch  # noqa: E402
 from errors import import_optional  # noqa: E402
 from scripts import export_hf  # noqa: E402
 from scripts.sample import load_model  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.precision import resolve_device  # noqa: E402
 
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run folder or checkpoint")
     p.add_argument("--out", required=True, help="a new folder: hf/ and check_export.json go there")
     p.add_argument("--prompt", default="ROMEO:")

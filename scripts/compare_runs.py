@@ -23,7 +23,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from data.folders import make_folder  # noqa: E402
 from errors import UserError, first_line  # noqa: E402
-from training.exits import exit_on_error, fail  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error, fail  # noqa: E402
 from training.loggers import read_records  # noqa: E402
 
 COLUMNS = ("run", "backend", "model", "tokens_per_s", "mfu", "peak_vram_mb", "train_loss", "val_loss", "wall_s", "steps")
@@ -177,7 +177,7 @@ def plot(rows, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="run folders or folders of runs (a multirun folder)")
     p.add_argument("--out", help="folder for table.md, table.csv and the PNG plots")
     args = p.parse_args(argv)

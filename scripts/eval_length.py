@@ -30,14 +30,14 @@ from model.attention import build_attention  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from scripts.compare_runs import find_runs, fmt, load_run  # noqa: E402
 from training.checkpoint import latest_checkpoint, load_into_plain_model, validate_checkpoint  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.precision import autocast, resolve_device, resolve_dtype  # noqa: E402
 
 SEED = 4242  # the validation windows' seed, the same for every run and length
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="run folders or folders of runs (a multirun folder)")
     p.add_argument("--factors", type=int, nargs="+", default=[1, 2], help="lengths as multiples of model.block_size")
     p.add_argument("--batches", type=int, default=20, help="validation batches per length")

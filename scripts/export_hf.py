@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 
 from model.hf import export_family, generation_config, hf_config, to_hf  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.hf_folder import check_out, require_export_packages, write_hf_folder  # noqa: E402
 from training.checkpoint import validate_checkpoint  # noqa: E402
 from training.trained_model import checkpoint_model, checkpoint_tokenizer, choose_checkpoint  # noqa: E402
@@ -31,7 +31,7 @@ DTYPES = {"fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a run folder (its best.pt, else its newest checkpoint) or a checkpoint")
     p.add_argument("--out", required=True, help="the folder to write (new or empty)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="of the written weights")

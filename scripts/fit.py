@@ -28,13 +28,13 @@ from errors import UserError  # noqa: E402
 from model.attention import BACKENDS  # noqa: E402
 from model.config import padded_vocab  # noqa: E402
 from training.cli import compose_config  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.fit import largest_batch, longest_sequence  # noqa: E402
 from training.precision import apply_vram_budget, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", help="comma-separated (default: attention= if given, else every backend)")
     p.add_argument("--budgets", help="comma-separated GiB budgets (default: trainer.vram_budget_gb or the whole GPU)")
     p.add_argument("--target-tokens", type=int, default=2**19, help="tokens per optimizer step to reach with grad_accum")

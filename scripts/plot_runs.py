@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from data.folders import make_folder  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 RUNS = ROOT / "docs" / "runs"
 H100 = "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0"
@@ -179,7 +179,7 @@ PLOTS = (flash_anchors, gpt2_end_to_end, fit_gpt2, cross_entropy, scaling, baby_
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for the PNG files")
     args = p.parse_args(argv)
     make_folder(args.out, "--out", args.out)

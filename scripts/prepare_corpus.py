@@ -39,6 +39,13 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors (training/exits.py has the same for the other scripts)."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} ({self.prog} --help lists the options)")
+
+
 def selected(path: str) -> bool:
     """Whether a path inside the kernel tree (linux-source-6.1/<path>) joins the corpus."""
     top = path.split("/", 1)[0]
@@ -106,7 +113,7 @@ def unpack(archive: Path, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pack", help="the package's chosen files as one .tar.xz")
     a.add_argument("--out", required=True, help="the .tar.xz to write (e.g. bench/corpus/linux-6.1.tar.xz)")

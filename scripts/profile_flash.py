@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
 SHAPES = [*ANCHORS[:2], (64, 12, 512, 64)]  # (B, H, T, D): the two D=64 anchors and a shorter one
@@ -312,7 +312,7 @@ def compare_markdown(report: dict) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, help="folder for profile.json and profile.md (with --compare: host.json, host.md)")
     p.add_argument("--host-shape", type=int, nargs=4, default=[1, 2, 128, 64], metavar=("B", "H", "T", "D"))
     p.add_argument("--shapes", type=parse_shapes, default=SHAPES, help='"B,H,T,D;B,H,T,D" (default: the two D=64 anchors and (64,12,512,64))')

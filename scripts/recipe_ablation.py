@@ -29,7 +29,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.compare_runs import find_runs, load_run  # noqa: E402
 from training.cli import fail  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 SWITCHES = {  # name: the setting it turns on
     "muon": "optim.name", "qk_norm": "model.qk_norm", "relu2": "model.mlp", "zero_init": "model.zero_init",
@@ -148,7 +148,7 @@ def plot(rows, target: float, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("variants", help="write the variants' experiment configs; print their names, comma-separated")
     v.add_argument("--out", required=True, help="a config folder (its experiment/ gets the files), for train.py -cd")

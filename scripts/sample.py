@@ -37,7 +37,7 @@ from tqdm import tqdm  # noqa: E402
 from data.tokenizers import default_prompt  # noqa: E402
 from errors import UserError, check_finite, check_positive  # noqa: E402
 from model import GPT  # noqa: E402
-from training.exits import exit_on_error  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.hf_folder import is_hf_folder  # noqa: E402
 from training.metrics import process_age_s  # noqa: E402
 from training.precision import resolve_device, resolve_dtype  # noqa: E402
@@ -48,7 +48,7 @@ PROGRESS_MIN = 256  # generations longer than this show a progress bar (on a ter
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a run folder (its best.pt, else its newest checkpoint), a checkpoint, "
                                        "or a Hugging Face folder")
     p.add_argument("--prompt", help="text to continue (default: a newline, or the first token of a vocabulary "

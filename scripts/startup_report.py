@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from omegaconf import OmegaConf  # noqa: E402
 
 from scripts.compare_runs import load_run, read_config, run_info  # noqa: E402
-from training.exits import exit_on_error, fail  # noqa: E402
+from training.exits import ArgumentParser, exit_on_error, fail  # noqa: E402
 
 PHASES = ("imports", "config", "device", "data", "model", "optimizer", "setup", "step 1", "step 2", "step 3")
 CACHES = (("FX graph", "fxgraph_cache"), ("AOTAutograd", "autograd_cache"))
@@ -122,7 +122,7 @@ def label(text: str) -> tuple:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collect", help="print one run's JSON line")
     c.add_argument("run_dir", type=Path)

@@ -61,6 +61,10 @@ WALK = [
     ("prepare_corpus.py", ["unpack", "{tmp}/missing.tar.xz"], "{tmp}/missing.tar.xz: no such file"),
     ("recipe_ablation.py", ["report", "{tmp}/missing", "--out", "{tmp}/report"], "{tmp}/missing is not a run folder"),
     ("startup_report.py", ["table", "{tmp}/missing.jsonl"], "{tmp}/missing.jsonl: no such file of runs"),
+    ("startup_report.py", ["collect", "{tmp}", "not-a-label"], "'not-a-label' is not key=value (startup_report.py"),
+    ("sample.py", ["{tmp}", "--no-such-option"], "sample.py: unrecognized arguments: --no-such-option (sample.py "
+     "--help lists the options)"),
+    ("prepare_corpus.py", [], "prepare_corpus.py: the following arguments are required: command"),
     ("startup_report.py", ["collect", "{tmp}", "--status", "0"], "collect --status needs --wall"),
 ] + ([
     ("bench_decode.py", ["--out", "{tmp}/decode"], "needs a CUDA GPU"),

@@ -8,6 +8,7 @@ Whatever reaches the top ends the process with one line on stderr:
   the error in one line, status 2. ``NANOFLASH_TRACEBACK=1`` (or Hydra's ``HYDRA_FULL_ERROR=1``)
   shows the traceback of such an error instead.
 """
+import argparse
 import contextlib
 import os
 import signal
@@ -24,6 +25,15 @@ SHOW_TRACEBACK = os.environ.get("NANOFLASH_TRACEBACK") == "1" or os.environ.get(
 def fail(message: str) -> None:
     print(f"error: {one_line(message)}", file=sys.stderr)
     sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors (an unknown or malformed option, a missing argument) are one line,
+    ``error: <prog>: <message> (<prog> --help lists the options)``, status 2, as every other error of
+    ours, instead of argparse's usage block and line. The scripts build their parsers with it."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message} ({self.prog} --help lists the options)")
 
 
 def one_line(text: str, width: int = 600) -> str:
