@@ -3,6 +3,8 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,12 +109,49 @@ QUICK = ["model=tiny", "data=shakespeare_char", "trainer.max_steps=2", "trainer.
          "logger.progress=false", "trainer.eval_iters=1"]
 
 
+def train_args(args, tmp_path) -> list:
+    """train.py's arguments for a two-step tiny run in ``tmp_path`` plus ``args``."""
+    return [*QUICK, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *args]
+
+
 def run_train(args, tmp_path):
     """`python train.py` with a two-step tiny run in ``tmp_path`` plus ``args``; the finished process."""
-    import subprocess
-    import sys
+    return subprocess.run([sys.executable, "train.py", *train_args(args, tmp_path)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=300)
 
-    cmd = [sys.executable, "train.py", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
-           f"data.cache_dir={tmp_path / 'cache'}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+
+WALKER = """
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for script, args in json.loads(sys.argv[1]):
+    sys.argv = [script, *args]
+    err = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit:
+            code = 0 if exit.code is None else exit.code
+        except BaseException:
+            traceback.print_exc(file=err)
+            code = 1
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def walk(cases, timeout: int = 600) -> list:
+    """``cases``: [script path, argv] each, run in turn in one Python process as `python <script> <argv>`
+    runs it (runpy; stdout dropped): [exit status, stderr] of each, in order. One process's imports
+    serve every case, where a process per case pays 3-4 s of them on 2 CPU cores."""
+    proc = subprocess.run([sys.executable, "-c", WALKER, json.dumps(cases)], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def walk_train(argvs, tmp_root: Path) -> list:
+    """:func:`walk` of `python train.py` with each of ``argvs`` (run_train's tiny run, case i in
+    ``tmp_root``/i): [exit status, stderr] of each."""
+    return walk([[str(REPO / "train.py"), train_args(args, tmp_root / str(i))] for i, args in enumerate(argvs)])
 

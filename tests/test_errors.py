@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run_train
+from conftest import walk_train
 
 CASES = [
     pytest.param(["attention=flsh"], "choose one of: flash, hybrid, naive, sdpa", id="unknown-backend"),
@@ -27,11 +27,17 @@ CASES = [
 
 
 
-@pytest.mark.parametrize("args,message", CASES)
-def test_wrong_option_fails_with_one_clear_line(tmp_path, args, message):
-    proc = run_train(args, tmp_path)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
+@pytest.fixture(scope="module")
+def walked(tmp_path_factory):
+    """Every case's `python train.py` run in one process (conftest.walk_train): [status, stderr] each."""
+    return walk_train([case.values[0] for case in CASES], tmp_path_factory.mktemp("errors"))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[case.id for case in CASES])
+def test_wrong_option_fails_with_one_clear_line(walked, case):
+    code, stderr = walked[case]
+    assert code != 0
+    assert CASES[case].values[1] in stderr
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr

@@ -2,17 +2,14 @@
 train.py and from every script (training/exits.py); options that contradict each other are refused
 when the config is validated, and in a sweep before the first job trains."""
 import importlib.util
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run_env, tiny_config
+from conftest import REPO, tiny_config, walk
 from errors import UserError
 from training.exits import exit_on_error
 from training.signals import StopSignal
@@ -72,23 +69,6 @@ WALK = [
     ("profile_flash.py", ["--out", "{tmp}/out"], "needs a CUDA GPU"),
 ] if NO_GPU else [])
 
-WALKER = """
-import contextlib, io, json, runpy, sys, traceback
-results = []
-for script, args in json.loads(sys.argv[1]):
-    sys.argv = [script, *args]
-    err = io.StringIO()
-    code = None
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as exit:
-            code = exit.code
-        except BaseException:
-            traceback.print_exc(file=err)
-    results.append([code, err.getvalue()])
-print(json.dumps(results))
-"""
 
 
 def test_every_script_is_walked_with_a_wrong_argument():
@@ -105,10 +85,7 @@ def walked(tmp_path_factory):
     (tmp / "a-file").write_text("")
     cases = [[str(REPO / (script if script == "train.py" else f"scripts/{script}")), [a.format(tmp=tmp) for a in args]]
              for script, args, _ in WALK]
-    proc = subprocess.run([sys.executable, "-c", WALKER, json.dumps(cases)], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    return tmp, json.loads(proc.stdout.splitlines()[-1])
+    return tmp, walk(cases)
 
 
 @pytest.mark.parametrize("case", range(len(WALK)), ids=[f"{s}-{'-'.join(a)[:24]}" for s, a, _ in WALK])
