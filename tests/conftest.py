@@ -125,9 +125,9 @@ import contextlib, io, json, runpy, sys, traceback
 results = []
 for script, args in json.loads(sys.argv[1]):
     sys.argv = [script, *args]
-    err = io.StringIO()
+    err, out = io.StringIO(), io.StringIO()
     code = 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exit:
@@ -135,14 +135,14 @@ for script, args in json.loads(sys.argv[1]):
         except BaseException:
             traceback.print_exc(file=err)
             code = 1
-    results.append([code, err.getvalue()])
+    results.append([code, err.getvalue(), out.getvalue()])
 print(json.dumps(results))
 """
 
 
 def walk(cases, timeout: int = 600) -> list:
     """``cases``: [script path, argv] each, run in turn in one Python process as `python <script> <argv>`
-    runs it (runpy; stdout dropped): [exit status, stderr] of each, in order. One process's imports
+    runs it (runpy): [exit status, stderr, stdout] of each, in order. One process's imports
     serve every case, where a process per case pays 3-4 s of them on 2 CPU cores."""
     proc = subprocess.run([sys.executable, "-c", WALKER, json.dumps(cases)], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=timeout)
@@ -152,6 +152,6 @@ def walk(cases, timeout: int = 600) -> list:
 
 def walk_train(argvs, tmp_root: Path) -> list:
     """:func:`walk` of `python train.py` with each of ``argvs`` (run_train's tiny run, case i in
-    ``tmp_root``/i): [exit status, stderr] of each."""
+    ``tmp_root``/i): [exit status, stderr, stdout] of each."""
     return walk([[str(REPO / "train.py"), train_args(args, tmp_root / str(i))] for i, args in enumerate(argvs)])
 

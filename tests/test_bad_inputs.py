@@ -46,7 +46,7 @@ CLI_CASES = [
 
 def walk_cases(cases, tmp_root):
     """Each case's `python train.py` (its arguments made in its own folder) in one process
-    (conftest.walk_train): [status, stderr] each."""
+    (conftest.walk_train): [status, stderr, stdout] each."""
     folders = [tmp_root / str(i) for i in range(len(cases))]
     for folder in folders:
         folder.mkdir()
@@ -60,7 +60,7 @@ def walked(tmp_path_factory):
 
 @pytest.mark.parametrize("case", [pytest.param(i, marks=c.marks, id=c.id) for i, c in enumerate(CLI_CASES)])
 def test_wrong_input_fails_with_one_clear_line(walked, case):
-    code, stderr = walked[case]
+    code, stderr, _ = walked[case]
     assert code != 0
     assert CLI_CASES[case].values[1] in stderr, stderr
     assert "Traceback" not in stderr
@@ -117,7 +117,7 @@ def walked_more(tmp_path_factory):
 
 @pytest.mark.parametrize("case", [pytest.param(i, marks=c.marks, id=c.id) for i, c in enumerate(MORE_CLI_CASES)])
 def test_more_wrong_inputs_fail_with_one_clear_line(walked_more, case):
-    code, stderr = walked_more[case]
+    code, stderr, _ = walked_more[case]
     assert code == 2
     assert MORE_CLI_CASES[case].values[1] in stderr, stderr
     assert "Traceback" not in stderr

@@ -1,7 +1,8 @@
 """Hydra's own flags work as in any Hydra app, and the early checks read the command line as Hydra does.
 
-`python train.py --help` / `--hydra-help` list the flags; each has a test here (one subprocess each,
-nothing trained unless the flag runs jobs). The in-process tests call the checks train.py makes
+`python train.py --help` / `--hydra-help` list the flags; each has a test here. The flags that run
+nothing are walked in one process (conftest.walk: ``FLAG_RUNS``); those that train or need their own
+folders run train.py in a subprocess each. The in-process tests call the checks train.py makes
 before Hydra starts.
 """
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import QUICK, REPO, run_env, run_train
+from conftest import QUICK, REPO, run_env, run_train, walk
 from training.cli import add_overrides, check_overrides, machine_defaults
 from training.exits import exit_on_error
 from training.config import TrainConfig
@@ -31,40 +32,70 @@ def printed_config(proc) -> dict:
     return yaml.safe_load(proc.stdout)
 
 
-@pytest.mark.parametrize("which,sections", [("job", SECTIONS), ("hydra", ["hydra"]), ("all", SECTIONS + ["hydra"])])
-def test_cfg_prints_the_config_and_runs_nothing(tmp_path, which, sections):
-    cfg = printed_config(train_py("--cfg", which, "model=tiny", f"hydra.run.dir={tmp_path / 'run'}"))
-    assert sorted(cfg) == sorted(sections)
-    if which != "hydra":
-        assert cfg["model"]["name"] == "tiny" and cfg["trainer"]["run_name"] == "${model.name}-${attention.name}-${data.name}"
-    assert not (tmp_path / "run").exists()
-
-
-def test_resolve_prints_the_interpolations_resolved():
-    cfg = printed_config(train_py("--cfg", "job", "--resolve", "model=tiny", "attention=naive"))
-    assert cfg["trainer"]["run_name"] == "tiny-naive-shakespeare"
-
-
-def test_package_prints_one_section():
-    proc = train_py("-c", "job", "--package", "trainer", "trainer.max_steps=9")
-    assert proc.stdout.startswith("# @package trainer\n")
-    assert printed_config(proc)["max_steps"] == 9
-
-
-@pytest.mark.parametrize("what,headings", [
+INFO = [
     (None, ["Installed Hydra Plugins", "Config search path", "Defaults Tree", "Defaults List", "Config\n******"]),
     ("defaults", ["Defaults List"]),
     ("defaults-tree", ["Defaults Tree"]),
     ("config", ["Config search path", "Defaults List", "Config\n******"]),
     ("searchpath", ["Config search path"]),
     ("plugins", ["Installed Hydra Plugins"]),
-])
-def test_info_prints_what_hydra_knows(what, headings):
-    proc = train_py("--info", *([what] if what else []))  # a bare --info is last: nothing may follow it
-    assert proc.returncode == 0, proc.stderr
-    assert all(heading in proc.stdout for heading in headings)
+]
+HELP = [("--help", "== Configuration groups =="), ("-h", "debug: "), ("--hydra-help", "== Flags =="),
+        ("--version", "Hydra 1.3")]
+CFG = [("job", SECTIONS), ("hydra", ["hydra"]), ("all", SECTIONS + ["hydra"])]
+FLAG_RUNS = {  # name: train.py's arguments ({tmp}: a folder of the walk)
+    **{f"cfg {which}": ["--cfg", which, "model=tiny", "hydra.run.dir={tmp}/run"] for which, _ in CFG},
+    "resolve": ["--cfg", "job", "--resolve", "model=tiny", "attention=naive"],
+    "package": ["-c", "job", "--package", "trainer", "trainer.max_steps=9"],
+    **{f"info {what}": ["--info", *([what] if what else [])] for what, _ in INFO},  # a bare --info is last
+    **{flag: [flag] for flag, _ in HELP},
+    "shell completion": ["--shell-completion", "install=bash"],
+    "wrong flag": ["--cfg", "everything"],
+    "config not found": ["model=deep", "--cfg", "job"],
+}
+
+
+@pytest.fixture(scope="module")
+def flag_runs(tmp_path_factory):
+    """{name: (status, stderr, stdout)} of every FLAG_RUNS command, walked in one process, and the walk's folder."""
+    tmp = tmp_path_factory.mktemp("flags")
+    found = walk([[str(REPO / "train.py"), [a.format(tmp=tmp) for a in args]] for args in FLAG_RUNS.values()])
+    return dict(zip(FLAG_RUNS, found)), tmp
+
+
+def flag_output(flag_runs, name: str) -> str:
+    """The stdout of a FLAG_RUNS command that must succeed."""
+    code, stderr, stdout = flag_runs[0][name]
+    assert code == 0, stderr
+    return stdout
+
+
+@pytest.mark.parametrize("which,sections", CFG)
+def test_cfg_prints_the_config_and_runs_nothing(flag_runs, which, sections):
+    cfg = yaml.safe_load(flag_output(flag_runs, f"cfg {which}"))
+    assert sorted(cfg) == sorted(sections)
+    if which != "hydra":
+        assert cfg["model"]["name"] == "tiny" and cfg["trainer"]["run_name"] == "${model.name}-${attention.name}-${data.name}"
+    assert not (flag_runs[1] / "run").exists()
+
+
+def test_resolve_prints_the_interpolations_resolved(flag_runs):
+    cfg = yaml.safe_load(flag_output(flag_runs, "resolve"))
+    assert cfg["trainer"]["run_name"] == "tiny-naive-shakespeare"
+
+
+def test_package_prints_one_section(flag_runs):
+    printed = flag_output(flag_runs, "package")
+    assert printed.startswith("# @package trainer\n")
+    assert yaml.safe_load(printed)["max_steps"] == 9
+
+
+@pytest.mark.parametrize("what,headings", INFO)
+def test_info_prints_what_hydra_knows(flag_runs, what, headings):
+    printed = flag_output(flag_runs, f"info {what}")
+    assert all(heading in printed for heading in headings)
     if what in (None, "defaults", "config"):
-        assert "model/tiny" in proc.stdout  # experiment=cpu, added on a machine without a GPU, is in it
+        assert "model/tiny" in printed  # experiment=cpu, added on a machine without a GPU, is in it
 
 
 def test_config_name_and_config_dir_choose_another_primary_config(tmp_path):
@@ -82,8 +113,10 @@ def test_config_path_replaces_configs(tmp_path):
     (tmp_path / "configs" / "model" / "deep.yaml").write_text("name: deep\nn_layer: 24\n")
     cfg = printed_config(train_py("-cp", str(tmp_path / "configs"), "model=deep", "--cfg", "job"))
     assert cfg["model"]["name"] == "deep" and cfg["model"]["n_layer"] == 24
-    proc = train_py("model=deep", "--cfg", "job")  # not in configs/
-    assert proc.returncode == 2 and "model=deep is not a config" in proc.stderr
+
+def test_a_config_in_no_config_folder_is_refused(flag_runs):
+    code, stderr, _ = flag_runs[0]["config not found"]  # model=deep: not in configs/
+    assert code == 2 and "model=deep is not a config" in stderr
 
 
 def test_multirun_runs_one_job_per_value(tmp_path, data_cache):
@@ -113,27 +146,18 @@ def test_debug_fast_trains_a_few_steps_with_everything_on_the_way(tmp_path, data
     assert not (run_dir / "sample.txt").exists()
 
 
-def test_shell_completion_installs_a_script():
-    proc = train_py("--shell-completion", "install=bash")
-    assert proc.returncode == 0, proc.stderr
-    assert "hydra_bash_completion()" in proc.stdout
+def test_shell_completion_installs_a_script(flag_runs):
+    assert "hydra_bash_completion()" in flag_output(flag_runs, "shell completion")
 
 
-@pytest.mark.parametrize("flag,text", [
-    ("--help", "== Configuration groups =="),
-    ("-h", "debug: "),
-    ("--hydra-help", "== Flags =="),
-    ("--version", "Hydra 1.3"),
-])
-def test_help_and_version(flag, text):
-    proc = train_py(flag)
-    assert proc.returncode == 0, proc.stderr
-    assert text in proc.stdout
+@pytest.mark.parametrize("flag,text", HELP)
+def test_help_and_version(flag_runs, flag, text):
+    assert text in flag_output(flag_runs, flag)
 
 
-def test_a_wrong_flag_fails_with_hydras_usage_line():
-    proc = train_py("--cfg", "everything")
-    assert proc.returncode == 2 and "invalid choice: 'everything'" in proc.stderr and "Traceback" not in proc.stderr
+def test_a_wrong_flag_fails_with_hydras_usage_line(flag_runs):
+    code, stderr, _ = flag_runs[0]["wrong flag"]
+    assert code == 2 and "invalid choice: 'everything'" in stderr and "Traceback" not in stderr
 
 
 # --- the checks before Hydra, in process ---------------------------------------------------------

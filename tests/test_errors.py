@@ -29,13 +29,13 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def walked(tmp_path_factory):
-    """Every case's `python train.py` run in one process (conftest.walk_train): [status, stderr] each."""
+    """Every case's `python train.py` run in one process (conftest.walk_train): [status, stderr, stdout] each."""
     return walk_train([case.values[0] for case in CASES], tmp_path_factory.mktemp("errors"))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[case.id for case in CASES])
 def test_wrong_option_fails_with_one_clear_line(walked, case):
-    code, stderr = walked[case]
+    code, stderr, _ = walked[case]
     assert code != 0
     assert CASES[case].values[1] in stderr
     assert "Traceback" not in stderr

@@ -94,7 +94,7 @@ def test_a_script_with_a_wrong_argument_ends_in_one_line(walked, case):
     --B -1, --from-json <missing>, compare_runs.py --out <a file>, ...); in `-m trainer.grad_accum=1,0`
     job 0 trained to the end before the bad value was refused; CPU out of memory was a traceback."""
     tmp, results = walked
-    code, stderr = results[case]
+    code, stderr, _ = results[case]
     assert code == 2, stderr
     assert WALK[case][2].format(tmp=tmp) in one_error_line(stderr)
 
