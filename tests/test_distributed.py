@@ -45,18 +45,25 @@ def assert_same_curve(a, b):
         assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6)
 
 
-def test_two_ranks_equal_one_process_with_the_same_global_batch_and_resume(tmp_path, data_cache):
-    ddp, single = tmp_path / "ddp", tmp_path / "single"
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_cache):
+    """The one-process run that two ranks (batch 4 each) and one rank of batch 8 must reproduce: 18 steps."""
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    run([sys.executable], run_dir, data_cache, "trainer.batch_size=8", "trainer.max_steps=18")
+    return run_dir
+
+
+def test_two_ranks_equal_one_process_with_the_same_global_batch_and_resume(tmp_path, data_cache, single):
+    ddp = tmp_path / "ddp"
     run(TORCHRUN, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=12")
     proc = run(TORCHRUN, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=18")
     assert proc.stdout.count("resuming from") == 1  # rank 0 speaks for both
-    run([sys.executable], single, data_cache, "trainer.batch_size=8", "trainer.max_steps=18")
     assert_same_curve(records(ddp), records(single))
     assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["step_0000012.pt", "step_0000018.pt"]
 
 
-def test_fsdp_equals_one_process_and_resumes_its_sharded_checkpoint_on_another_world_size(tmp_path, data_cache):
-    fsdp, single = tmp_path / "fsdp", tmp_path / "single"
+def test_fsdp_equals_one_process_and_resumes_its_sharded_checkpoint_on_another_world_size(tmp_path, data_cache, single):
+    fsdp = tmp_path / "fsdp"
     run(TORCHRUN, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=4", "trainer.max_steps=12")
     saved = fsdp / "checkpoints" / "step_0000012"
     assert (saved / ".metadata").is_file() and (saved / "meta.pt").is_file()
@@ -64,7 +71,6 @@ def test_fsdp_equals_one_process_and_resumes_its_sharded_checkpoint_on_another_w
     # One rank with twice the micro-batch sees the same global batches: the curve must go on unchanged.
     proc = run(TORCHRUN_1, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=8", "trainer.max_steps=18")
     assert "resuming from" in proc.stdout
-    run([sys.executable], single, data_cache, "trainer.batch_size=8", "trainer.max_steps=18")
     assert_same_curve(records(fsdp), records(single))
     assert sorted(p.name for p in (fsdp / "checkpoints").iterdir()) == ["step_0000012", "step_0000018"]
 
