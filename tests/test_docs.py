@@ -1,5 +1,5 @@
 """The docs cite what exists: every link and cited repository path resolves, and docs/runs holds raw
-logs only (no lock files, tarballs, scripts or checkpoints)."""
+logs only, uncompressed (no lock files, archives or compressed files, scripts or checkpoints)."""
 import glob
 import re
 import subprocess
@@ -11,7 +11,7 @@ from conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN_READMES = sorted((REPO / "docs" / "runs").rglob("README.md"))
-NOT_RAW_LOGS = (".lock", ".tgz", ".tar", ".tar.gz", ".zip", ".py", ".pt", ".ckpt", ".safetensors", ".bin")
+NOT_RAW_LOGS = (".lock", ".tgz", ".tar", ".gz", ".xz", ".zip", ".py", ".pt", ".ckpt", ".safetensors", ".bin")
 TOP_LEVEL = ("model/", "kernels/", "training/", "data/", "scripts/", "tests/", "configs/", "docs/", "train.py",
              "errors.py", "requirements")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
