@@ -150,6 +150,18 @@ def walk(cases, timeout: int = 600) -> list:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def indexed(cases) -> list:
+    """``cases`` (pytest.param each) as parameters of their index, with their ids and marks."""
+    return [pytest.param(i, marks=case.marks, id=case.id) for i, case in enumerate(cases)]
+
+
+def assert_one_error_line(stderr: str, message: str) -> None:
+    """``stderr`` holds ``message``, no traceback and exactly one line starting with ``error:``."""
+    assert message in stderr, stderr
+    assert "Traceback" not in stderr
+    assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1, stderr
+
+
 def walk_train(argvs, tmp_root: Path) -> list:
     """:func:`walk` of `python train.py` with each of ``argvs`` (run_train's tiny run, case i in
     ``tmp_root``/i): [exit status, stderr, stdout] of each."""

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import REPO, tiny_config, walk_train
+from conftest import REPO, assert_one_error_line, indexed, tiny_config, walk_train
 from errors import UserError
 from training import loop
 
@@ -44,27 +44,23 @@ CLI_CASES = [
 ]
 
 
-def walk_cases(cases, tmp_root):
-    """Each case's `python train.py` (its arguments made in its own folder) in one process
-    (conftest.walk_train): [status, stderr, stdout] each."""
+@pytest.fixture(scope="module")
+def walked(tmp_path_factory):
+    """Every case of CLI_CASES, then of MORE_CLI_CASES, its `python train.py` (its arguments made in its own
+    folder) in one process (conftest.walk_train): [status, stderr, stdout] each."""
+    cases = CLI_CASES + MORE_CLI_CASES
+    tmp_root = tmp_path_factory.mktemp("bad-inputs")
     folders = [tmp_root / str(i) for i in range(len(cases))]
     for folder in folders:
         folder.mkdir()
     return walk_train([case.values[0](folder) for case, folder in zip(cases, folders)], tmp_root / "runs")
 
 
-@pytest.fixture(scope="module")
-def walked(tmp_path_factory):
-    return walk_cases(CLI_CASES, tmp_path_factory.mktemp("bad-inputs"))
-
-
-@pytest.mark.parametrize("case", [pytest.param(i, marks=c.marks, id=c.id) for i, c in enumerate(CLI_CASES)])
+@pytest.mark.parametrize("case", indexed(CLI_CASES))
 def test_wrong_input_fails_with_one_clear_line(walked, case):
     code, stderr, _ = walked[case]
     assert code != 0
-    assert CLI_CASES[case].values[1] in stderr, stderr
-    assert "Traceback" not in stderr
-    assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1
+    assert_one_error_line(stderr, CLI_CASES[case].values[1])
 
 
 def test_resume_from_another_models_checkpoint_names_the_difference(tmp_path, data_cache):
@@ -110,18 +106,11 @@ def jsonl(tmp_path) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def walked_more(tmp_path_factory):
-    return walk_cases(MORE_CLI_CASES, tmp_path_factory.mktemp("more-bad-inputs"))
-
-
-@pytest.mark.parametrize("case", [pytest.param(i, marks=c.marks, id=c.id) for i, c in enumerate(MORE_CLI_CASES)])
-def test_more_wrong_inputs_fail_with_one_clear_line(walked_more, case):
-    code, stderr, _ = walked_more[case]
+@pytest.mark.parametrize("case", indexed(MORE_CLI_CASES))
+def test_more_wrong_inputs_fail_with_one_clear_line(walked, case):
+    code, stderr, _ = walked[len(CLI_CASES) + case]
     assert code == 2
-    assert MORE_CLI_CASES[case].values[1] in stderr, stderr
-    assert "Traceback" not in stderr
-    assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1
+    assert_one_error_line(stderr, MORE_CLI_CASES[case].values[1])
 
 
 OVERRIDE_CASES = [  # checked before Hydra runs: in-process, no subprocess needed

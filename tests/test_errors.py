@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import walk_train
+from conftest import assert_one_error_line, indexed, walk_train
 
 CASES = [
     pytest.param(["attention=flsh"], "choose one of: flash, hybrid, naive, sdpa", id="unknown-backend"),
@@ -33,11 +33,8 @@ def walked(tmp_path_factory):
     return walk_train([case.values[0] for case in CASES], tmp_path_factory.mktemp("errors"))
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[case.id for case in CASES])
+@pytest.mark.parametrize("case", indexed(CASES))
 def test_wrong_option_fails_with_one_clear_line(walked, case):
     code, stderr, _ = walked[case]
     assert code != 0
-    assert CASES[case].values[1] in stderr
-    assert "Traceback" not in stderr
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, stderr
+    assert_one_error_line(stderr, CASES[case].values[1])
