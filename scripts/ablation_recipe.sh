@@ -64,8 +64,8 @@ cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_
     [ ${#QUICK_ARGS[@]} -gt 0 ] && echo "QUICK=1: the shorter ablation (${QUICK_ARGS[*]})." && echo
     echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS ${QUICK_ARGS[*]+${QUICK_ARGS[*]} }$*\` (the variants written by"
     echo "\`python scripts/recipe_ablation.py variants\`), then \`python scripts/recipe_ablation.py report <multirun> --target $TARGET\`."
-    echo "Seconds from the loop's start (compilation included: under trainer.compile each job of the multirun compiles its own model);"
-    echo "tokens/s: the median of a run's log records after the first."
+    echo "Seconds from each run's first log record (the steps before it carry the kernel builds, tuning and compilation, which the"
+    echo "multirun's first job pays for the jobs after it: the last column); tokens/s: the median of a run's log records after the first."
     echo
     if [ -f "$WORK/report/table.md" ]; then cat "$WORK/report/table.md"; else echo "(no table: see report.log)"; fi
     echo

@@ -36,23 +36,26 @@ def test_the_variants_turn_each_switch_on_and_off_and_compose(tmp_path):
         assert (cfg.optim.name, cfg.model.tie_embeddings, cfg.model.qk_norm) == (optim, tied, qk_norm)
 
 
-def write_run(folder, name, vals, wall):
+def write_run(folder, name, vals, wall, first_log=0.5):
+    """A run's folder: its first log record at first_log seconds, then len(vals) evaluations over wall seconds."""
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(f"trainer:\n  run_name: {name}\nattention:\n  name: sdpa\n")
-    records = [{"step": 1, "loss": 5.0, "tokens_per_s": 1000.0, "elapsed_s": 0.5}]
-    records += [{"step": 100 * (i + 1), "val_loss": v, "elapsed_s": wall * (i + 1) / len(vals)} for i, v in enumerate(vals)]
+    records = [{"step": 1, "loss": 5.0, "tokens_per_s": 1000.0, "elapsed_s": first_log}]
+    records += [{"step": 100 * (i + 1), "val_loss": v, "elapsed_s": first_log + wall * (i + 1) / len(vals)}
+                for i, v in enumerate(vals)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def test_the_report_times_the_target_and_the_baselines_final_loss(tmp_path, capsys):
     import recipe_ablation
 
-    write_run(tmp_path / "runs" / "0-ablation_base", "ablation_base", [1.6, 1.5, 1.48], wall=30.0)
+    # the baseline's first job paid 8 s of kernel builds before its first log; the seconds count after it
+    write_run(tmp_path / "runs" / "0-ablation_base", "ablation_base", [1.6, 1.5, 1.48], wall=30.0, first_log=8.0)
     write_run(tmp_path / "runs" / "1-ablation_recipe", "ablation_recipe", [1.5, 1.46, 1.44], wall=36.0)
     recipe_ablation.main(["report", str(tmp_path / "runs"), "--target", "base", "--out", str(tmp_path / "out")])
     table = (tmp_path / "out" / "table.md").read_text()
-    assert "| ablation_base | 1.4800 | 1.4800 | 300 | 30.0 | 1.00 |" in table
-    assert "| ablation_recipe | 1.4400 | 1.4400 | 200 | 24.0 | 0.80 |" in table  # 1.46 <= 1.48 at 2/3 of 36 s
+    assert "| ablation_base | 1.4800 | 1.4800 | 300 | 30.0 | 1.00 | 1,000 | 30.0 | 8.0 |" in table
+    assert "| ablation_recipe | 1.4400 | 1.4400 | 200 | 24.0 | 0.80 | 1,000 | 36.0 | 0.5 |" in table  # 2/3 of 36 s
     assert (tmp_path / "out" / "val_vs_time.png").is_file() and (tmp_path / "out" / "val_vs_step.png").is_file()
     recipe_ablation.main(["report", str(tmp_path / "runs"), "--target", "1.45", "--out", str(tmp_path / "out")])
     assert "| ablation_base | 1.4800 | 1.4800 | n/a | n/a | n/a |" in capsys.readouterr().out
@@ -62,7 +65,7 @@ def test_the_startup_report_times_the_target_from_the_command_and_shows_the_phas
     import startup_report
 
     run = tmp_path / "run"
-    write_run(run, "speedrun", [1.5, 1.46, 1.44], wall=3.0)  # evaluations 1, 2 and 3 s after the loop's start
+    write_run(run, "speedrun", [1.5, 1.46, 1.44], wall=3.0, first_log=0.0)  # evaluations 1, 2 and 3 s after the loop's start
     (run / "config.yaml").write_text("trainer:\n  grad_accum: 1\nmodel:\n  block_size: 10\n")
     info = {"batch_size": 2, "loop_start_s": 7.5, "first_step_s": 9.0, "startup_phases_s": {"imports": 4.0, "step 1": 1.5},
             "time_in": {"evaluation": {"count": 3, "seconds": 0.9, "first_seconds": 0.5}},
