@@ -35,6 +35,32 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float = ROPE_BASE)
     return angles.cos(), angles.sin()
 
 
+class RotaryTables(nn.Module):
+    """cos and sin of the rotary angles of positions 0 .. block_size - 1, (block_size, head_dim // 2)
+    each: computed once, not in every forward (Inductor inlines a per-forward table into the kernels
+    that read it and recomputes the trig for every element of q and k). Not saved with the weights
+    (a function of the config), and always fp32: after any move or cast of the model (``.to(dtype)``,
+    ``.to_empty``) they are computed again on the model's device."""
+
+    def __init__(self, block_size: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        cos, sin = rope_tables(torch.arange(block_size), head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.cos, self.sin = rope_tables(torch.arange(self.cos.shape[0], device=self.cos.device), self.head_dim)
+        return self
+
+    def forward(self, positions: Optional[torch.Tensor], T: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows for ``positions`` (T,), or for 0 .. T-1 when None: (T, head_dim // 2) each."""
+        if positions is None:
+            return self.cos[:T], self.sin[:T]
+        return self.cos[positions], self.sin[positions]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :D/2], x[..., D/2:]) by position. x: (B, T, H, D); cos, sin: (T, D/2)."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -194,6 +220,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos == "learned" else None
+        self.rotary = RotaryTables(cfg.block_size, cfg.head_dim) if cfg.pos == "rope" else None
         # model.value_embeds: tables of Hkv * D per token, the width of V (modded-nanogpt's value embeddings)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.kv_heads * cfg.head_dim)
                                           for _ in range(cfg.value_embeds))
@@ -276,10 +303,9 @@ class GPT(nn.Module):
         x = self.wte(idx)
         if cache is not None:
             positions = cache.begin(T)
-        positions = torch.arange(T, device=idx.device) if positions is None else positions
-        rope = rope_tables(positions, self.cfg.head_dim) if self.cfg.pos == "rope" else None
+        rope = self.rotary(positions, T) if self.rotary is not None else None
         if self.wpe is not None:
-            x = x + self.wpe(positions)
+            x = x + self.wpe(torch.arange(T, device=idx.device) if positions is None else positions)
         x = self.drop(x)
         values = [table(idx) for table in self.value_embeds]  # (B, T, Hkv * D) each
         n_skips = 0 if self.skip_weights is None else len(self.skip_weights)

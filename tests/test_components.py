@@ -161,6 +161,22 @@ def test_model_compiles_with_no_graph_break():
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
+def test_rotary_tables_are_made_once_kept_fp32_through_a_cast_and_not_saved():
+    from model.gpt import rope_tables
+
+    model = tiny_gpt(pos="rope").to(torch.bfloat16)
+    cos, sin = rope_tables(torch.arange(16), 32 // 2)
+    assert model.rotary.cos.dtype == torch.float32 and torch.equal(model.rotary.cos, cos)
+    assert torch.equal(model.rotary.sin, sin)
+    assert not any("rotary" in name for name in model.state_dict())
+    positions = torch.tensor([3, 4, 5])
+    assert torch.equal(model.rotary(positions, 3)[0], cos[3:6]) and torch.equal(model.rotary(None, 5)[1], sin[:5])
+    x = torch.randint(0, 64, (2, 16))
+    graph = torch.fx.symbolic_trace(model.rotary, concrete_args={"positions": None, "T": 16}).graph
+    assert not {"cos", "sin"} & {str(n.target).split(".")[-1] for n in graph.nodes if n.op == "call_method"}
+    assert model(x)[0].dtype == torch.bfloat16
+
+
 def test_chunked_loss_under_bf16_autocast_matches_cross_entropy_of_bf16_logits():
     import torch.nn.functional as F
 

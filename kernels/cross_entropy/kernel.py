@@ -8,8 +8,11 @@ against the four passes of the compiled PyTorch version (max, sum, then read and
 
 With a soft-cap (``softcap`` = s > 0, model.logit_softcap) each logit x is read as c = s * tanh(x / s)
 in both passes (reference.py: ``capped_logits``, the one definition), so the loss is that of the
-capped logits and the gradient written is d loss / d x = (softmax(c) - onehot) * (1 - (c / s)^2):
-the cap costs a few flops per element and no pass of its own.
+capped logits and the gradient written is d loss / d x = (softmax(c) - onehot) * (1 - (c / s)^2).
+Capped logits lie in [-s, s], so for s <= FIXED_SHIFT_MAX_CAP pass 1 needs no running max: it sums
+exp(c - s), which neither overflows nor underflows (exp(-2s) stays a normal float32). Per element
+that is two exponentials and one division in each pass, near the memory bound, where a running max's
+rescale made the cap cost the time of a second kernel. A larger cap takes the running max.
 """
 from __future__ import annotations
 
@@ -24,48 +27,56 @@ from ..ops import define_op
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 BLOCK_V = 8192  # with 16 warps the fastest of scripts/bench_cross_entropy.py's sweep on the H100
 NUM_WARPS = 16
+FIXED_SHIFT_MAX_CAP = 40.0  # exp(-80) > float32's smallest normal (about exp(-87.3))
 
 
 @triton.jit
 def _tanh(x):
-    """tanh from exp2 (no tanh in every Triton version, nor in its interpreter), of -|x| so nothing
-    overflows: +-1 at +-inf."""
-    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+    """tanh(x) = 2 / (1 + exp(-2x)) - 1, from exp2 (no tanh in every Triton version, nor in its
+    interpreter): +-1 at +-inf."""
+    return 2.0 / (1.0 + tl.exp2(x * (-2.0 * LOG2E))) - 1.0
 
 
 @triton.jit
 def _softmax_xent_kernel(logits_ptr, targets_ptr, loss_ptr, V, stride_row, softcap,
-                         BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr):
+                         BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, FIXED_SHIFT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     offs = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max
-    s = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum of exp(x - m)
-    for start in range(0, V, BLOCK_V):
-        mask = start + offs < V
-        x = tl.load(base + start + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if SOFTCAP:
-            x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with nothing yet: no -inf - -inf
-        s = s * tl.exp2((m - m_safe) * LOG2E) + tl.exp2((x - m_safe) * LOG2E)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - row_max) * LOG2E), axis=0)
-    lse = row_max + tl.log(total)
+    inv_softcap = 1.0 / softcap
     target = tl.load(targets_ptr + row)
     target_logit = tl.load(base + target).to(tl.float32)
+    if FIXED_SHIFT:
+        s = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum of exp(c - softcap)
+        for start in range(0, V, BLOCK_V):
+            mask = start + offs < V
+            x = tl.load(base + start + offs, mask=mask, other=0.0).to(tl.float32)
+            c = softcap * _tanh(x * inv_softcap)
+            s += tl.where(mask, tl.exp2((c - softcap) * LOG2E), 0.0)
+        lse = softcap + tl.log(tl.sum(s, axis=0))
+    else:
+        m = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane running max
+        s = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum of exp(x - m)
+        for start in range(0, V, BLOCK_V):
+            mask = start + offs < V
+            x = tl.load(base + start + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if SOFTCAP:
+                x = tl.where(mask, softcap * _tanh(x * inv_softcap), float("-inf"))
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane with nothing yet: no -inf - -inf
+            s = s * tl.exp2((m - m_safe) * LOG2E) + tl.exp2((x - m_safe) * LOG2E)
+            m = m_new
+        row_max = tl.max(m, axis=0)
+        lse = row_max + tl.log(tl.sum(s * tl.exp2((m - row_max) * LOG2E), axis=0))
     if SOFTCAP:
-        target_logit = softcap * _tanh(target_logit / softcap)
+        target_logit = softcap * _tanh(target_logit * inv_softcap)
     tl.store(loss_ptr + row, lse - target_logit)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         mask = cols < V
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
         if SOFTCAP:
-            t = tl.where(mask, _tanh(x / softcap), 0.0)
+            t = _tanh(x * inv_softcap)
             grad = (tl.exp2((softcap * t - lse) * LOG2E) - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t)
         else:
             grad = tl.exp2((x - lse) * LOG2E) - tl.where(cols == target, 1.0, 0.0)
@@ -97,7 +108,8 @@ def softmax_xent_launch(logits: torch.Tensor, targets: torch.Tensor, softcap: Op
     loss_rows = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         _softmax_xent_kernel[(n,)](logits, targets, loss_rows, V, logits.stride(0), float(softcap or 1.0),
-                                   BLOCK_V=block_v, SOFTCAP=softcap is not None, num_warps=num_warps)
+                                   BLOCK_V=block_v, SOFTCAP=softcap is not None,
+                                   FIXED_SHIFT=softcap is not None and softcap <= FIXED_SHIFT_MAX_CAP, num_warps=num_warps)
     return loss_rows
 
 
