@@ -10,12 +10,12 @@ corpus' characters; it is saved in the token cache's manifest so the tokenizer c
 the cache alone. The char tokenizer has no end-of-text token: documents are concatenated as they are.
 """
 import hashlib
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
 import tiktoken
-from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
 from data.config import TOKENIZERS
 from errors import UserError
@@ -31,14 +31,25 @@ EOT = "<|endoftext|>"
 GPT2_FILES_SHA256 = hashlib.sha256("".join(sorted(GPT2_FILES.values())).encode()).hexdigest()  # one digest of both
 
 
+def gpt2_mergeable_ranks() -> dict:
+    """GPT-2's BPE ranks, {token bytes: rank}, read from encoder.json alone (its sha256 checked). The
+    same dict as tiktoken's ``data_gym_to_mergeable_bpe_ranks`` of vocab.bpe and encoder.json
+    (tests/test_data.py checks), which replays the 50,000 merges to build it and takes about twice
+    as long. encoder.json spells each byte as
+    one character: the printable ones (but space) as themselves, the others as chr(256 + n) in order."""
+    path = GPT2_DIR / "encoder.json"
+    raw = path.read_bytes()
+    if hashlib.sha256(raw).hexdigest() != GPT2_FILES["encoder.json"]:
+        raise RuntimeError(f"{path} is damaged (sha256 mismatch); restore it from the repository")
+    spelt_apart = [b for b in range(256) if not chr(b).isprintable() or chr(b) == " "]
+    to_latin1 = {256 + n: b for n, b in enumerate(spelt_apart)}  # then every character is its byte's code
+    return {token.translate(to_latin1).encode("latin-1"): rank for token, rank in json.loads(raw).items() if token != EOT}
+
+
 @lru_cache(maxsize=1)
 def gpt2_encoding() -> tiktoken.Encoding:
     """tiktoken's gpt2 encoding built from the shipped files (50257 tokens, <|endoftext|> = 50256)."""
-    for name, digest in GPT2_FILES.items():
-        if hashlib.sha256((GPT2_DIR / name).read_bytes()).hexdigest() != digest:
-            raise RuntimeError(f"{GPT2_DIR / name} is damaged (sha256 mismatch); restore it from the repository")
-    ranks = data_gym_to_mergeable_bpe_ranks(str(GPT2_DIR / "vocab.bpe"), str(GPT2_DIR / "encoder.json"))
-    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=gpt2_mergeable_ranks(),
                              special_tokens={EOT: 50256}, explicit_n_vocab=50257)
 
 

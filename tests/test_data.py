@@ -60,6 +60,15 @@ def test_load_tokenizer_by_name_or_manifest():
         load_tokenizer("char")
 
 
+def test_the_gpt2_ranks_read_from_encoder_json_are_tiktokens_from_both_files():
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    from data.tokenizers import GPT2_DIR, gpt2_mergeable_ranks
+
+    want = data_gym_to_mergeable_bpe_ranks(str(GPT2_DIR / "vocab.bpe"), str(GPT2_DIR / "encoder.json"))
+    assert gpt2_mergeable_ranks() == want and len(want) == 50256
+
+
 def test_long_text_pieces_encode_like_the_whole_text():
     text = EMBEDDED.read_text()[:200_000]
     pieces = text_pieces(text, size=5_000)
