@@ -1,6 +1,8 @@
 """Micro-benchmark every attention backend: time, TFLOP/s and memory over shapes, OOM included.
 
     python scripts/bench_attention.py --preset anchors --out bench/anchors      # the six anchor shapes
+    python scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn --graphs --out bench/flash
+                                 # our kernel against SDPA's kernels, eager and as replayed CUDA graphs
     python scripts/bench_attention.py --preset sweep --modes fwd+bwd --out bench/sweep   # T 512..32768, B*T=32768
     python scripts/bench_attention.py --preset seed001 --out bench/seed001   # naive / tiled / hybrid, compile time
     python scripts/bench_attention.py --B 1 --H 12 --D 64 --T 2048,8192,32768,131072 --vram-budget-gb 8
@@ -14,7 +16,8 @@ preset): tiled (seed 001's "vanilla" flash in PyTorch: slow) and hybrid@N (hybri
 blocks instead of its own rule, to tune that rule). A backend that cannot run here is "n/a"
 with the reason; one that runs out of memory at a shape is "OOM" there and the sweep goes on.
 
-Per point: median time (triton.testing.do_bench on CUDA, a perf_counter median of 5 calls on CPU),
+Per point: median time (triton.testing.do_bench on CUDA, a perf_counter median of 5 calls on CPU;
+with --graphs also the call captured once as a CUDA graph and replayed: the GPU's own time),
 TFLOP/s with causal flops (forward 2*B*H*T^2*D, forward+backward 3.5x that) and peak memory above
 the inputs (CUDA only; null on CPU), measured after a warm-up call so compilation and autotuning
 buffers are not counted.
@@ -52,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from model.attention import BACKENDS, build_attention, hybrid, tiled, unavailable_reason  # noqa: E402
 from model.config import AttentionConfig  # noqa: E402
 from scripts.bench_common import (ANCHORS, SDPA_KERNELS, causal_flops, command_line, environment, fail,  # noqa: E402
-                                  first_line, forced_sdpa, median_ms, relative_error, tflops)
+                                  first_line, forced_sdpa, graph_median_ms, median_ms, relative_error, tflops)
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.precision import DTYPES, apply_vram_budget  # noqa: E402
 
@@ -159,8 +162,10 @@ def free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
-    """{ms, tflops, peak_mb, status: ok|OOM}; any other error propagates."""
+def measure(attend, shape, Hkv, mode, dtype, device, graphs: bool = False) -> dict:
+    """{ms, tflops, peak_mb, status: ok|OOM}, and with ``graphs`` {graph_ms, graph_tflops}: the call
+    captured once as a CUDA graph and replayed (the GPU's time, no host work; None where the backend
+    cannot be captured). Any other error propagates."""
     B, H, T, D = shape
     free_memory()
     try:
@@ -183,11 +188,24 @@ def measure(attend, shape, Hkv, mode, dtype, device) -> dict:
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         ms = median_ms(step, device)
         flops = causal_flops(B, H, T, D, backward=mode == "fwd+bwd")
-        return {"ms": ms, "tflops": tflops(flops, ms), "peak_mb": peak, "status": "ok"}
+        result = {"ms": ms, "tflops": tflops(flops, ms), "peak_mb": peak, "status": "ok"}
+        if graphs:
+            graph_ms = replayed_ms(step)
+            result.update(graph_ms=graph_ms, graph_tflops=graph_ms and tflops(flops, graph_ms))
+        return result
     except torch.OutOfMemoryError:
         return {"ms": None, "tflops": None, "peak_mb": None, "status": "OOM"}
     finally:
         free_memory()
+
+
+def replayed_ms(step):
+    """Median ms of ``step`` captured as a CUDA graph and replayed, or None where it cannot be captured."""
+    try:
+        return graph_median_ms(step)
+    except Exception as err:  # e.g. a backend that syncs with the host
+        print(f"# no CUDA graph: {first_line(err)}")
+        return None
 
 
 def compile_time(attend, shape, Hkv, dtype, device) -> dict:
@@ -289,7 +307,7 @@ def fmt(value, key="ms") -> str:
 
 
 def cell(row, key) -> str:
-    return fmt(row[key], key) if row["status"] == "ok" else row["status"]
+    return fmt(row.get(key), key) if row["status"] == "ok" else row["status"]
 
 
 def header(meta) -> str:
@@ -301,15 +319,15 @@ def header(meta) -> str:
 def pivot(rows, mode, key) -> str:
     """One line per shape, one column per backend (and our ratios when both sides ran)."""
     names = list(dict.fromkeys(r["backend"] for r in rows))
-    ratios = {label: pair for label, pair in RATIOS.items() if key == "tflops" and set(pair) <= set(names)}
+    ratios = {label: pair for label, pair in RATIOS.items() if key.endswith("tflops") and set(pair) <= set(names)}
     shapes = list(dict.fromkeys((r["B"], r["H"], r["Hkv"], r["T"], r["D"]) for r in rows if r["mode"] == mode))
     lines = ["| B | H | H_kv | T | D | " + " | ".join(names + list(ratios)) + " |", "|---" * (5 + len(names) + len(ratios)) + "|"]
     for shape in shapes:
         at = {r["backend"]: r for r in rows if r["mode"] == mode and (r["B"], r["H"], r["Hkv"], r["T"], r["D"]) == shape}
         cells = [cell(at[n], key) if n in at else "" for n in names]
         for a, b in ratios.values():
-            ok = a in at and b in at and at[a]["status"] == at[b]["status"] == "ok"
-            cells.append(f"{at[a]['tflops'] / at[b]['tflops']:.2f}x" if ok else "")
+            ok = a in at and b in at and at[a]["status"] == at[b]["status"] == "ok" and at[a].get(key) and at[b].get(key)
+            cells.append(f"{at[a][key] / at[b][key]:.2f}x" if ok else "")
         lines.append("| " + " | ".join(map(str, shape)) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -318,10 +336,12 @@ def summary(rows, meta) -> str:
     parts = [header(meta), f"# command: {meta['command']}"]
     parts += [f"# {name}: n/a ({reason})" for name, reason in meta["unavailable"].items()]
     parts += [compile_line(name, result["shape"], result) for name, result in meta.get("compile", {}).items()]
-    titles = {"tflops": "TFLOP/s (causal)", "ms": "median ms", "peak_mb": "peak MB above inputs"}
+    titles = {"tflops": "TFLOP/s (causal)", "ms": "median ms", "peak_mb": "peak MB above inputs",
+              "graph_tflops": "TFLOP/s as replayed CUDA graphs (GPU time, no host work)",
+              "graph_ms": "median ms as replayed CUDA graphs"}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         for key, title in titles.items():
-            if key == "peak_mb" and all(r["peak_mb"] is None for r in rows):
+            if key not in ("ms", "tflops") and all(r.get(key) is None for r in rows):
                 continue
             parts.append(f"\n## {mode}: {title}\n\n" + pivot(rows, mode, key))
     return "\n".join(parts) + "\n"
@@ -331,7 +351,8 @@ def write_results(rows, meta, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "B", "H", "Hkv", "T", "D", "backend", "ms", "tflops", "peak_mb", "status"])
+        writer = csv.DictWriter(f, fieldnames=["mode", "B", "H", "Hkv", "T", "D", "backend", "ms", "tflops", "peak_mb", "status",
+                                               "graph_ms", "graph_tflops"], restval="")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -412,6 +433,7 @@ def parse_args(argv):
                                      "(default: the seed001 preset's naive,hybrid, else none)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--graphs", action="store_true", help="also time each point as a replayed CUDA graph (CUDA only)")
     p.add_argument("--vram-budget-gb", type=float, help="cap this process' GPU memory at N GiB (CUDA only)")
     p.add_argument("--out", help="folder for results.json, results.csv, summary.md and bench_<mode>.png")
     p.add_argument("--from-json", help="write the tables and plots of an earlier results.json (to --out or its folder)")
@@ -466,6 +488,8 @@ def main(argv=None) -> None:
         fail("--device cuda but PyTorch sees no CUDA GPU; use --device cpu")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
+    if args.graphs and device.type != "cuda":
+        fail("--graphs replays CUDA graphs and needs a CUDA GPU (this run is on CPU)")
     if args.vram_budget_gb is not None and device.type != "cuda":
         fail("--vram-budget-gb caps GPU memory and needs a CUDA GPU (this run is on CPU)")
     shapes = shapes_from(args)
@@ -490,7 +514,7 @@ def main(argv=None) -> None:
                 if not callable(attend):
                     continue
                 try:
-                    result = measure(attend, (B, H, T, D), args.Hkv or H, mode, dtype, device)
+                    result = measure(attend, (B, H, T, D), args.Hkv or H, mode, dtype, device, args.graphs)
                 except Exception as err:  # a forced SDPA kernel or flex that does not take this shape
                     if ours(name):
                         raise

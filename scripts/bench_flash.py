@@ -1,13 +1,12 @@
-"""Benchmark nanoflash's Triton flash attention against PyTorch SDPA (FlashAttention-2 and cuDNN).
+"""Measurements of our flash kernel that no other backend shares: the cost of attention dropout
+(``--dropout P``), the first call at a new shape (``--first-call``) and the cost of the forget gate
+(``--gate``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
+``scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]``.
 
-Causal bf16 attention at fixed (B, H, T, D) shapes; for each shape and implementation: median
-forward and forward+backward time (``triton.testing.do_bench``) and TFLOP/s, counting causal
-forward flops as 2*B*H*T^2*D and forward+backward as 3.5x that. Before timing, the outputs and
-gradients of each implementation are checked against ours.
+Times are medians of ``triton.testing.do_bench``; TFLOP/s count causal forward flops as 2*B*H*T^2*D
+and forward+backward as 3.5x that.
 
-    python scripts/bench_flash.py --out OUTDIR    # writes bench.json and bench.md to OUTDIR
-
-With ``--dropout P`` it measures the cost of attention dropout instead: ours and SDPA's
+``--dropout P`` measures the cost of attention dropout: ours and SDPA's
 FlashAttention-2, each at dropout_p=0 and dropout_p=P, forward and forward+backward, eager, and
 the ratio of the two times; plus the wall time of our first call (compilation and autotuning) at
 the first shape, without and then with dropout (run with a fresh ``TRITON_CACHE_DIR`` for a cold
@@ -15,7 +14,7 @@ figure). Writes dropout.json and dropout.md.
 
     python scripts/bench_flash.py --dropout 0.1 --out OUTDIR
 
-With ``--first-call`` it measures what a user waits for at a new shape: for a few new (dtype, D)
+``--first-call`` measures what a user waits for at a new shape: for a few new (dtype, D)
 pairs at a small T, the wall seconds of the first forward+backward call, in a new process with an
 empty Triton cache and an empty nanoflash tuning cache (compilation, and tuning where the shape
 has more than one candidate config), then again in another new process with both caches kept
@@ -25,7 +24,7 @@ H100.
 
     python scripts/bench_flash.py --first-call --out OUTDIR
 
-With ``--gate`` it measures the cost of the forget gate g (log-decay, ``flash_attn(..., g=g)``):
+``--gate`` measures the cost of the forget gate g (log-decay, ``flash_attn(..., g=g)``):
 ours with g, ours without, and flash-linear-attention's ``parallel_attn`` with the same g (when
 the package ``fla`` imports; else one line says it is missing), forward and forward+backward
 (g's gradient included), eager; g = logsigmoid(z + 3) with z standard normal, float32 (B, T, H),
@@ -54,63 +53,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
-                                  forced_sdpa, graph_median_ms, median_ms, parse_shapes, relative_error, require_cuda,
+                                  forced_sdpa, median_ms, parse_shapes, relative_error, require_cuda,
                                   tflops)
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
 CUDA = torch.device("cuda")
-
-
-def bench_shape(B, H, T, D, dtype, impls, warmup, rep, graphs):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    # Each implementation gets its native contiguous layout: ours (B, T, H, D), SDPA (B, H, T, D).
-    q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=dtype, generator=g)
-                   for _ in range(4))
-    inputs = {}
-    for name, (fn, layout) in impls.items():
-        if layout == "bthd":
-            inputs[name] = [t.clone().requires_grad_() for t in (q, k, v)] + [do]
-        else:
-            inputs[name] = [t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
-            inputs[name].append(do.transpose(1, 2).contiguous())
-
-    row = {"B": B, "H": H, "T": T, "D": D}
-    ref_o = ref_g = None
-    for name, (fn, layout) in impls.items():
-        qq, kk, vv, dd = inputs[name]
-        try:
-            o = fn(qq, kk, vv)
-            gr = torch.autograd.grad(o, (qq, kk, vv), dd)
-        except Exception as e:  # backend unavailable for this shape/device
-            row[name] = {"error": first_line(e, 120)}
-            continue
-        if layout != "bthd":
-            o = o.transpose(1, 2)
-            gr = [x.transpose(1, 2) for x in gr]
-        res = {}
-        if ref_o is None:
-            ref_o, ref_g = o.detach(), [x.detach() for x in gr]
-        else:
-            res["rel_err_vs_ours"] = {
-                "o": relative_error(o, ref_o),
-                **{n: relative_error(a, b) for n, a, b in zip(("dq", "dk", "dv"), gr, ref_g)},
-            }
-            bad = {n: e for n, e in res["rel_err_vs_ours"].items() if not e < 2e-2}
-            res["agrees"] = not bad
-        del o, gr
-        res.update(time_calls(fn, qq, kk, vv, dd, (B, H, T, D), warmup, rep))
-        if graphs:  # replayed CUDA graphs: GPU time without Python/launch overhead
-            fwd, fwd_bwd = calls(fn, qq, kk, vv, dd)
-            try:
-                g_f = graph_median_ms(fwd, rep)
-                g_fb = graph_median_ms(fwd_bwd, rep, grad_to_none=[qq, kk, vv])
-                res.update(rates((B, H, T, D), g_f, g_fb, prefix="graph_"))
-            except Exception as e:
-                res["graph_error"] = first_line(e, 120)
-        row[name] = res
-    del inputs
-    torch.cuda.empty_cache()
-    return row
 
 
 def calls(fn, q, k, v, do):
@@ -125,11 +72,11 @@ def calls(fn, q, k, v, do):
     return fwd, fwd_bwd
 
 
-def rates(shape, fwd_ms: float, fwd_bwd_ms: float, prefix: str = "") -> dict:
-    """{prefix}fwd_ms, fwd_bwd_ms and their causal TFLOP/s at ``shape`` (B, H, T, D)."""
-    return {f"{prefix}fwd_ms": fwd_ms, f"{prefix}fwd_bwd_ms": fwd_bwd_ms,
-            f"{prefix}fwd_tflops": tflops(causal_flops(*shape, backward=False), fwd_ms),
-            f"{prefix}fwd_bwd_tflops": tflops(causal_flops(*shape, backward=True), fwd_bwd_ms)}
+def rates(shape, fwd_ms: float, fwd_bwd_ms: float) -> dict:
+    """fwd_ms, fwd_bwd_ms and their causal TFLOP/s at ``shape`` (B, H, T, D)."""
+    return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,
+            "fwd_tflops": tflops(causal_flops(*shape, backward=False), fwd_ms),
+            "fwd_bwd_tflops": tflops(causal_flops(*shape, backward=True), fwd_bwd_ms)}
 
 
 def time_calls(fn, q, k, v, do, shape, warmup, rep, more_grads=()) -> dict:
@@ -445,20 +392,17 @@ def chosen_configs() -> dict:
 
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None,
-                    help="folder for bench.json and bench.md (dropout.*, first_call.*, gate.* in those modes)")
+    ap.add_argument("--out", default=None, help="folder for dropout.*, first_call.* or gate.* (json, md; gate.csv)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    ap.add_argument("--graphs", action="store_true",
-                    help="also time replays of captured CUDA graphs (no launch overhead)")
     ap.add_argument("--shapes", type=parse_shapes, default=None, help="B,H,T,D;B,H,T,D (default: the six anchors)")
     ap.add_argument("--dropout", type=float, default=None, metavar="P",
-                    help="measure the cost of attention dropout P (0 < P < 1) against none instead")
+                    help="measure the cost of attention dropout P (0 < P < 1) against none")
     ap.add_argument("--first-call", action="store_true",
-                    help="time the first call at new shapes in new processes, cold and warm caches, instead")
+                    help="time the first call at new shapes in new processes, cold and warm caches")
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gate", action="store_true",
-                    help="measure the cost of the forget gate g against none, beside flash-linear-attention, instead")
+                    help="measure the cost of the forget gate g against none, beside flash-linear-attention")
     args = ap.parse_args()
     if args.first_call_child is not None:  # one measurement of --first-call, in its own process
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
@@ -467,12 +411,13 @@ def main() -> None:
                                    ("--gate", args.gate)) if on]
     if len(modes) > 1:
         fail(f"{' and '.join(modes)} are separate measurements: pass one of them")
+    if not modes:
+        fail("pass one of --dropout P, --first-call, --gate; our kernel against SDPA's kernels is "
+             "scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]")
     if args.dropout is not None and not 0 < args.dropout < 1:
         fail(f"--dropout must be in (0, 1), got {args.dropout}")
     require_cuda("bench_flash.py", "times our kernel against SDPA's CUDA kernels",
                  "scripts/bench_attention.py --device cpu runs every backend")
-
-    from kernels import flash_attn
 
     shapes = args.shapes or ANCHORS
     meta = {
@@ -498,53 +443,6 @@ def main() -> None:
         rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)
         meta["chosen_configs"] = chosen_configs()
         emit(args.out, "dropout", meta, rows, dropout_table(rows, meta["first_call_s"], args.dropout, meta))
-        return
-    impls = {
-        "nanoflash": (lambda q, k, v: flash_attn(q, k, v, causal=True), "bthd"),
-        "sdpa_fa2": (forced_sdpa("FLASH_ATTENTION"), "bhtd"),
-        "sdpa_cudnn": (forced_sdpa("CUDNN_ATTENTION"), "bhtd"),
-    }
-    rows = []
-    for (B, H, T, D) in shapes:
-        row = bench_shape(B, H, T, D, torch.bfloat16, impls, args.warmup, args.rep, args.graphs)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    md = [*table_header(meta, "bf16 causal, TFLOP/s (median time)"),
-          "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
-          "fwd+bwd cuDNN | fwd+bwd ours/FA2 | agrees |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def cell(r, key):
-        return f"{r[key]:.0f}" if isinstance(r, dict) and key in r else "n/a"
-
-    for r in rows:
-        ours, fa2, cud = r.get("nanoflash", {}), r.get("sdpa_fa2", {}), r.get("sdpa_cudnn", {})
-        speed = (f"{ours['fwd_bwd_tflops'] / fa2['fwd_bwd_tflops']:.2f}x"
-                 if "fwd_bwd_tflops" in ours and "fwd_bwd_tflops" in fa2 else "n/a")
-        agrees = all(x.get("agrees", True) for x in (fa2, cud))
-        md.append(f"| {r['B']} | {r['H']} | {r['T']} | {r['D']} | {cell(ours, 'fwd_tflops')} | "
-                  f"{cell(fa2, 'fwd_tflops')} | {cell(cud, 'fwd_tflops')} | "
-                  f"{cell(ours, 'fwd_bwd_tflops')} | {cell(fa2, 'fwd_bwd_tflops')} | "
-                  f"{cell(cud, 'fwd_bwd_tflops')} | {speed} | {'yes' if agrees else 'NO'} |")
-    meta["chosen_configs"] = chosen_configs()
-    if args.graphs:
-        md += ["", "Same, timed as replayed CUDA graphs (GPU time without Python/launch "
-               "overhead):", "",
-               "| B | H | T | D | fwd ours | fwd FA2 | fwd cuDNN | fwd+bwd ours | fwd+bwd FA2 | "
-               "fwd+bwd cuDNN | fwd+bwd ours/FA2 |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            ours, fa2, cud = (r.get(n, {}) for n in ("nanoflash", "sdpa_fa2", "sdpa_cudnn"))
-            speed = (f"{ours['graph_fwd_bwd_tflops'] / fa2['graph_fwd_bwd_tflops']:.2f}x"
-                     if "graph_fwd_bwd_tflops" in ours and "graph_fwd_bwd_tflops" in fa2
-                     else "n/a")
-            md.append(f"| {r['B']} | {r['H']} | {r['T']} | {r['D']} | "
-                      f"{cell(ours, 'graph_fwd_tflops')} | {cell(fa2, 'graph_fwd_tflops')} | "
-                      f"{cell(cud, 'graph_fwd_tflops')} | {cell(ours, 'graph_fwd_bwd_tflops')} | "
-                      f"{cell(fa2, 'graph_fwd_bwd_tflops')} | {cell(cud, 'graph_fwd_bwd_tflops')} "
-                      f"| {speed} |")
-    emit(args.out, "bench", meta, rows, "\n".join(md))
 
 
 def emit(out: str | None, stem: str, meta: dict, rows: list[dict], table: str,

@@ -123,10 +123,24 @@ def test_flex_is_compiled_for_static_shapes(monkeypatch):
     assert seen.get("dynamic") is False
 
 
+def test_bench_attention_tables_the_replayed_graphs_beside_the_eager_calls():
+    bench = load_script("bench_attention")
+    point = {"mode": "fwd", "B": 1, "H": 2, "Hkv": 2, "T": 128, "D": 64, "peak_mb": None, "status": "ok"}
+    rows = [{**point, "backend": "flash", "ms": 2.0, "tflops": 1.0, "graph_ms": 1.0, "graph_tflops": 2.0},
+            {**point, "backend": "sdpa-fa2", "ms": 1.0, "tflops": 2.0, "graph_ms": 1.0, "graph_tflops": 2.0}]
+    meta = {"device": "GPU", "torch": "t", "triton": "tr", "dtype": "bf16", "date": "d", "command": "c", "unavailable": {}}
+    text = bench.summary(rows, meta)
+    assert markdown_table(text, "## fwd: TFLOP/s (causal)")[1][-1] == "0.50x"
+    assert markdown_table(text, "## fwd: TFLOP/s as replayed CUDA graphs")[1][-1] == "1.00x"
+    assert "peak MB" not in text and "as replayed" not in bench.summary([{k: v for k, v in r.items()
+                                                                          if not k.startswith("graph")} for r in rows], meta)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("args,message", [
     (["--device", "cpu", "--vram-budget-gb", "8"], "--vram-budget-gb caps GPU memory and needs a CUDA GPU"),
     (["--device", "cuda"], "--device cuda but PyTorch sees no CUDA GPU"),
+    (["--device", "cpu", "--graphs"], "--graphs replays CUDA graphs and needs a CUDA GPU"),
 ])
 def test_bench_attention_gpu_options_fail_clearly_without_cuda(args, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -141,9 +155,9 @@ def test_fit_fails_clearly_without_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("script", ["bench_flash.py", "profile_flash.py"])
+@pytest.mark.parametrize("script", ["bench_flash.py --gate", "profile_flash.py"])
 def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
-    proc = run([f"scripts/{script}", "--out", str(tmp_path)])
+    proc = run([f"scripts/{script.split()[0]}", *script.split()[1:], "--out", str(tmp_path)])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "bench_attention.py --device cpu" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -204,6 +218,9 @@ def test_bench_flash_takes_one_mode_at_a_time(tmp_path):
     proc = run(["scripts/bench_flash.py", "--gate", "--dropout", "0.1", "--out", str(tmp_path)])
     assert proc.returncode == 2 and "--dropout and --gate are separate measurements" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run(["scripts/bench_flash.py", "--out", str(tmp_path)])  # the speed against SDPA is bench_attention's
+    assert proc.returncode == 2 and "bench_attention.py --preset anchors" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -244,10 +261,11 @@ def test_decode_benchmark_gives_transformers_our_weights():
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
     proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
                 "--modes", "fwd+bwd", "--vram-budget-gb", "2", "--backends", "naive,sdpa,flash,sdpa-fa2,sdpa-cudnn",
-                "--out", str(tmp_path)], env=run_env(gpu=True))
+                "--graphs", "--out", str(tmp_path)], env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert all(r["peak_mb"] is not None for r in rows if r["status"] == "ok")
+    assert all(r["graph_tflops"] > 0 for r in rows if r["status"] == "ok" and r["backend"] in ("flash", "sdpa"))
     assert {r["backend"] for r in rows if r["status"] == "ok"} >= {"naive", "sdpa", "flash"}
 
 
