@@ -42,6 +42,6 @@ cached_run() {  # cached_run RUNS NAME CACHES LIMIT "LABELS" ARGS...: python tra
         >"$OUT/$name.log" 2>&1
     rc=$?
     # shellcheck disable=SC2086  # the labels are separate words
-    "$PYTHON" scripts/startup_report.py collect "$caches/run-$name" $labels --status "$rc" \
+    "$PYTHON" -m scripts.startup_report collect "$caches/run-$name" $labels --status "$rc" \
         --wall "$(awk "BEGIN { print $(date +%s.%N) - $started }")" >>"$runs"
 }

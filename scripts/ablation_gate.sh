@@ -26,9 +26,9 @@ source scripts/ablation_common.sh
 step training "${TRAIN_TIMEOUT:-400}" "$OUT/train.log" \
     "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" "$@"
 step "length test" "${EVAL_TIMEOUT:-120}" "$OUT/eval.log" \
-    "$PYTHON" scripts/eval_length.py "$WORK/multirun" --factors 1 2 ${EVAL_ARGS:-} --out "$WORK/length"
+    "$PYTHON" -m scripts.eval_length "$WORK/multirun" --factors 1 2 ${EVAL_ARGS:-} --out "$WORK/length"
 step plots "${PLOT_TIMEOUT:-60}" "$WORK/plots.log" \
-    "$PYTHON" scripts/compare_runs.py "$WORK/multirun" --out "$WORK/compare"
+    "$PYTHON" -m scripts.compare_runs "$WORK/multirun" --out "$WORK/compare"
 
 tagged_records "$WORK/multirun" >"$OUT/metrics.jsonl"
 cp "$WORK"/length/length.json "$WORK"/compare/loss_vs_step.png "$WORK"/compare/loss_vs_time.png "$OUT"/ 2>/dev/null
@@ -38,7 +38,7 @@ cp "$WORK"/length/length.json "$WORK"/compare/loss_vs_step.png "$WORK"/compare/l
     echo
     environment_line
     echo
-    echo "Command: \`python train.py -m ${SWEEP[*]} $*\`, then \`python scripts/eval_length.py <multirun> --factors 1 2\`."
+    echo "Command: \`python train.py -m ${SWEEP[*]} $*\`, then \`python -m scripts.eval_length <multirun> --factors 1 2\`."
     echo "Final val loss: the run's last evaluation; tokens/s: the median of its log records after the first;"
     echo "val loss at Nx: its newest checkpoint on validation windows of N x model.block_size tokens."
     echo

@@ -44,14 +44,14 @@ if [ "${QUICK:-0}" = 1 ]; then
                 trainer.keep_best=false trainer.ckpt_interval=750 trainer.sample_tokens=0)
 fi
 SIDES=${SIDES:-add remove}
-VARIANTS=$("$PYTHON" scripts/recipe_ablation.py variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
+VARIANTS=$("$PYTHON" -m scripts.recipe_ablation variants --out "$WORK/configs" --onto "${ONTO:-speedrun_char}" \
            --sides ${SIDES/none/}) || exit 2
 SWEEP=(-cd "$WORK/configs" "experiment=$VARIANTS")
 step training "${TRAIN_TIMEOUT:-$([ ${#QUICK_ARGS[@]} -gt 0 ] && echo 480 || echo 1500)}" "$OUT/train.log" \
     "$PYTHON" train.py -m "${SWEEP[@]}" logger.progress=false trainer.resume=none hydra.sweep.dir="$WORK/multirun" \
     'hydra.sweep.subdir=${hydra.job.num}-${trainer.run_name}' "${QUICK_ARGS[@]+"${QUICK_ARGS[@]}"}" "$@"
 step report 120 "$WORK/report.log" \
-    "$PYTHON" scripts/recipe_ablation.py report "$WORK/multirun" --target "$TARGET" --out "$WORK/report"
+    "$PYTHON" -m scripts.recipe_ablation report "$WORK/multirun" --target "$TARGET" --out "$WORK/report"
 
 tagged_records "$WORK/multirun" >"$OUT/metrics.jsonl"
 cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_time.png "$OUT"/ 2>/dev/null
@@ -63,7 +63,7 @@ cp "$WORK"/report/table.md "$WORK"/report/val_vs_step.png "$WORK"/report/val_vs_
     echo
     [ ${#QUICK_ARGS[@]} -gt 0 ] && echo "QUICK=1: the shorter ablation (${QUICK_ARGS[*]})." && echo
     echo "Command: \`python train.py -m -cd <configs> experiment=$VARIANTS ${QUICK_ARGS[*]+${QUICK_ARGS[*]} }$*\` (the variants written by"
-    echo "\`python scripts/recipe_ablation.py variants\`), then \`python scripts/recipe_ablation.py report <multirun> --target $TARGET\`."
+    echo "\`python -m scripts.recipe_ablation variants\`), then \`python -m scripts.recipe_ablation report <multirun> --target $TARGET\`."
     echo "Seconds from each run's first log record (the steps before it carry the kernel builds, tuning and compilation, which the"
     echo "multirun's first job pays for the jobs after it: the last column); tokens/s: the median of a run's log records after the first."
     echo

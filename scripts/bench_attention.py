@@ -1,13 +1,13 @@
 """Micro-benchmark every attention backend: time, TFLOP/s and memory over shapes, OOM included.
 
-    python scripts/bench_attention.py --preset anchors --out bench/anchors      # the six anchor shapes
-    python scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn --graphs --out bench/flash
+    python -m scripts.bench_attention --preset anchors --out bench/anchors      # the six anchor shapes
+    python -m scripts.bench_attention --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn --graphs --out bench/flash
                                  # our kernel against SDPA's kernels, eager and as replayed CUDA graphs
-    python scripts/bench_attention.py --preset sweep --modes fwd+bwd --out bench/sweep   # T 512..32768, B*T=32768
-    python scripts/bench_attention.py --preset seed001 --out bench/seed001   # naive / tiled / hybrid, compile time
-    python scripts/bench_attention.py --B 1 --H 12 --D 64 --T 2048,8192,32768,131072 --vram-budget-gb 8
-    python scripts/bench_attention.py --device cpu --dtype fp32 --B 1 --H 2 --D 16 --T 64,128   # anywhere
-    python scripts/bench_attention.py --from-json bench/anchors/results.json   # tables and plots again
+    python -m scripts.bench_attention --preset sweep --modes fwd+bwd --out bench/sweep   # T 512..32768, B*T=32768
+    python -m scripts.bench_attention --preset seed001 --out bench/seed001   # naive / tiled / hybrid, compile time
+    python -m scripts.bench_attention --B 1 --H 12 --D 64 --T 2048,8192,32768,131072 --vram-budget-gb 8
+    python -m scripts.bench_attention --device cpu --dtype fp32 --B 1 --H 2 --D 16 --T 64,128   # anywhere
+    python -m scripts.bench_attention --from-json bench/anchors/results.json   # tables and plots again
 
 Backends: naive, hybrid, sdpa (PyTorch's own choice of kernel), flash (ours) and, on CUDA where the
 installed PyTorch has them, SDPA forced to one kernel (sdpa-fa2, sdpa-cudnn, sdpa-efficient) and
@@ -46,8 +46,9 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

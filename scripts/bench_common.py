@@ -174,4 +174,4 @@ def environment(device: torch.device) -> dict:
 
 def command_line(script: str, argv=None) -> str:
     """The command that ran, as it would be typed from the repository root."""
-    return f"python scripts/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return f"python -m scripts.{script.removesuffix('.py')} " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -1,9 +1,9 @@
 """Context parallelism on one GPU: what the ring path costs at N=1, and the per-rank memory model.
 
-    python scripts/bench_context_parallel.py model=gpt2 attention=flash --lengths 8192,16384 --paths plain,ring
-    python scripts/bench_context_parallel.py model=gpt2 attention=flash model.activation_checkpointing=true \\
+    python -m scripts.bench_context_parallel model=gpt2 attention=flash --lengths 8192,16384 --paths plain,ring
+    python -m scripts.bench_context_parallel model=gpt2 attention=flash model.activation_checkpointing=true \\
         --lengths 4096,8192,16384,32768 --out bench/cp-memory
-    python scripts/bench_context_parallel.py model=gpt2 model.activation_checkpointing=true --memory-model
+    python -m scripts.bench_context_parallel model=gpt2 model.activation_checkpointing=true --memory-model
 
 Per (T, path): training steps of the model at batch 1 on random tokens (forward, backward, AdamW,
 autocast in trainer.dtype as train.py does; --warmup steps first, then --steps timed): ms per step,
@@ -33,8 +33,9 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 

@@ -104,7 +104,7 @@ throughput() {  # throughput OUT: the same 2 x 32768 tokens per step with cp=2 a
                trainer.log_interval=5 trainer.eval_interval=1000 trainer.eval_iters=1)
     "${TORCHRUN2[@]}" train.py "${COMMON[@]}" "${run[@]}" "${CP2[@]}" trainer.batch_size=2 hydra.run.dir="$out/cp2" "${EXTRA[@]}"
     "${TORCHRUN2[@]}" train.py "${COMMON[@]}" "${run[@]}" trainer.distributed=ddp hydra.run.dir="$out/ddp2" "${EXTRA[@]}"
-    python3 scripts/compare_runs.py "$out/ddp2" "$out/cp2" --out "$out/compare"
+    python3 -m scripts.compare_runs "$out/ddp2" "$out/cp2" --out "$out/compare"
     grep -H "Communication kernels" "$out"/*/profile.md || true
 }
 

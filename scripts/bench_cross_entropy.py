@@ -8,7 +8,7 @@ overwrites its input, so each timed call first copies a fresh chunk into the buf
 timed alone and subtracted. Our kernel runs over a sweep of tile widths and warps; the table marks
 the launcher's defaults, and adds them with a soft-cap (model.logit_softcap) of 15.
 
-    python scripts/bench_cross_entropy.py [--out bench_cross_entropy.md]
+    python -m scripts.bench_cross_entropy [--out bench_cross_entropy.md]
 
 Needs a CUDA GPU.
 """
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from scripts.bench_common import command_line, environment, median_ms, require_cuda  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402

@@ -1,8 +1,8 @@
 """Decode speed: GPT-2 124M generation with our KV cache against the alternatives, and the
 flash-decoding kernel (kernels/flash_decoding) alone against SDPA.
 
-    python scripts/bench_decode.py --out OUTDIR                        # all three parts
-    python scripts/bench_decode.py --out OUTDIR --parts kernel,sweep   # some of them
+    python -m scripts.bench_decode --out OUTDIR                        # all three parts
+    python -m scripts.bench_decode --out OUTDIR --parts kernel,sweep   # some of them
 
 ``generate``: GPT-2 124M (configs/model/gpt2.yaml, randomly initialised: a step's time does not
 depend on the weights) generating greedily from a 16-token prompt to 1024 tokens (1008 new), at
@@ -54,7 +54,9 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from scripts.bench_common import (ROOT, command_line, environment, first_line, graph_median_ms, median_ms,  # noqa: E402
                                   require_cuda)

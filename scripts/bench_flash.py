@@ -12,7 +12,7 @@ the ratio of the two times; plus the wall time of our first call (compilation an
 the first shape, without and then with dropout (run with a fresh ``TRITON_CACHE_DIR`` for a cold
 figure). Writes dropout.json and dropout.md.
 
-    python scripts/bench_flash.py --dropout 0.1 --out OUTDIR
+    python -m scripts.bench_flash --dropout 0.1 --out OUTDIR
 
 ``--first-call`` measures what a user waits for at a new shape: for a few new (dtype, D)
 pairs at a small T, the wall seconds of the first forward+backward call, in a new process with an
@@ -22,7 +22,7 @@ has more than one candidate config), then again in another new process with both
 those shapes in bf16 instead. Writes first_call.json and first_call.md; about two minutes on an
 H100.
 
-    python scripts/bench_flash.py --first-call --out OUTDIR
+    python -m scripts.bench_flash --first-call --out OUTDIR
 
 ``--gate`` measures the cost of the forget gate g (log-decay, ``flash_attn(..., g=g)``):
 ours with g, ours without, and flash-linear-attention's ``parallel_attn`` with the same g (when
@@ -31,7 +31,7 @@ the package ``fla`` imports; else one line says it is missing), forward and forw
 gates near 1 as the Forgetting Transformer starts. Before timing, FLA's o, dq, dk, dv, dg are
 compared with ours. Writes gate.json, gate.md and gate.csv.
 
-    python scripts/bench_flash.py --gate --out OUTDIR
+    python -m scripts.bench_flash --gate --out OUTDIR
 
 Needs a CUDA GPU.
 """
@@ -50,9 +50,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
-from scripts.bench_common import (ANCHORS, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
+from scripts.bench_common import (ANCHORS, ROOT, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
                                   forced_sdpa, median_ms, parse_shapes, relative_error, require_cuda,
                                   tflops)
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
@@ -232,8 +234,9 @@ def first_call_in_a_new_process(shape: tuple, triton_cache: Path, tune_cache: Pa
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(triton_cache)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--first-call-child", json.dumps([list(shape), str(tune_cache)])],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_flash", "--first-call-child",
+                           json.dumps([list(shape), str(tune_cache)])], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"first call at {shape} failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.splitlines()[-1])

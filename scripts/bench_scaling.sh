@@ -19,4 +19,4 @@ for kind in ddp fsdp; do
     python3 -m torch.distributed.run --standalone --nproc_per_node="$GPUS" train.py "${COMMON[@]}" trainer.distributed="$kind" \
         hydra.run.dir="$OUT/${GPUS}gpu-$kind"
 done
-python3 scripts/compare_runs.py "$OUT/1gpu" "$OUT/${GPUS}gpu-ddp" "$OUT/${GPUS}gpu-fsdp" --out "$OUT/compare"
+python3 -m scripts.compare_runs "$OUT/1gpu" "$OUT/${GPUS}gpu-ddp" "$OUT/${GPUS}gpu-fsdp" --out "$OUT/compare"

@@ -1,6 +1,6 @@
 """Export a run and check that transformers gives our greedy tokens: timings and agreement as a table.
 
-    python scripts/check_export.py outputs/gpt2-sdpa-shakespeare --out check/ --tokens 100
+    python -m scripts.check_export outputs/gpt2-sdpa-shakespeare --out check/ --tokens 100
 
 Exports the run (scripts/export_hf.py) to <out>/hf, loads it with transformers in fp32 and bf16,
 and decodes ``--tokens`` tokens greedily from ``--prompt`` with each; beside them the same from our
@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 
@@ -48,10 +50,10 @@ def timed(fn):
 
 
 def sample_script(path: Path, dtype: str, args) -> str:
-    """The text `scripts/sample.py --temperature 0 --dtype <dtype>` prints for ``path``."""
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample.py"), str(path), "--prompt", args.prompt,
+    """The text `python -m scripts.sample --temperature 0 --dtype <dtype>` prints for ``path``."""
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(path), "--prompt", args.prompt,
                            "--tokens", str(args.tokens), "--temperature", "0", "--device", args.device,
-                           "--dtype", dtype], capture_output=True, text=True, check=True)
+                           "--dtype", dtype], cwd=ROOT, capture_output=True, text=True, check=True)
     return proc.stdout.split("\n---")[0]
 
 

@@ -1,8 +1,8 @@
 """Compare training runs end to end: one table and plots from their run folders.
 
     python train.py experiment=compare_backends model=tiny        # a multirun, one job per backend
-    python scripts/compare_runs.py multirun/2026-11-23_10-00-00 --out compare/
-    python scripts/compare_runs.py outputs/gpt2-flash-shakespeare outputs/gpt2-sdpa-shakespeare
+    python -m scripts.compare_runs multirun/2026-11-23_10-00-00 --out compare/
+    python -m scripts.compare_runs outputs/gpt2-flash-shakespeare outputs/gpt2-sdpa-shakespeare
 
 A folder with metrics.jsonl is a run; any other folder stands for the runs in its sub-folders.
 tokens/s and MFU are medians over the log records after the first (which holds compilation and
@@ -16,8 +16,9 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from omegaconf import OmegaConf  # noqa: E402
 

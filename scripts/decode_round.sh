@@ -55,16 +55,19 @@ step() {  # step NAME SECONDS FILE CMD...: run CMD under a time limit, its outpu
     echo "=== $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$LOG"
 }
 
-sample() {  # sample FILE SCRIPT ARGS...: SCRIPT on the run, 256 tokens, timed; caches in $WORK/caches
-    local file=$1
-    shift
-    step "$(basename "$1") ${*:2}" 120 "$file" env TRITON_CACHE_DIR="$WORK/caches/triton" \
+sample() {  # sample FILE NAME OPTIONS START...: python START... (how sample.py starts) on the run, 256 tokens, timed,
+            # then OPTIONS (one string, split into words); caches in $WORK/caches
+    local file=$1 name=$2 options=$3
+    shift 3
+    # shellcheck disable=SC2086  # the options are separate words
+    step "$name" 120 "$file" env TRITON_CACHE_DIR="$WORK/caches/triton" \
         TORCHINDUCTOR_CACHE_DIR="$WORK/caches/inductor" XDG_CACHE_HOME="$WORK/caches/xdg" \
-        bash -c 'TIMEFORMAT="real %3R s, user %3U s, sys %3S s"; time "$@"' _ "$PY" "$1" "$RUN" --tokens 256 --timings "${@:2}"
+        bash -c 'TIMEFORMAT="real %3R s, user %3U s, sys %3S s"; time "$@"' _ "$PY" "$@" "$RUN" --tokens 256 --timings $options
 }
 # sample.py with cuDNN taken out of SDPA's choices (its prefill then runs FlashAttention-2): cuDNN builds an
 # execution plan at the first call of each shape in a process, which the prefill's --timings line includes.
-NO_CUDNN="$WORK/sample_without_cudnn.py"
+NO_CUDNN="import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'scripts/sample.py'; \
+runpy.run_module('scripts.sample', run_name='__main__', alter_sys=True)"
 
 { echo "decode_round $(date -u +%FT%TZ), commit ${NANOFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -85,24 +88,21 @@ if wanted checkpoint; then
         "data.cache_dir=$WORK/data" "hydra.run.dir=$RUN"
 fi
 if wanted sample; then
-    printf '%s\n' "import runpy, sys, torch" "torch.backends.cuda.enable_cudnn_sdp(False)" \
-        "sys.argv = ['scripts/sample.py'] + sys.argv[1:]" "runpy.run_path('scripts/sample.py', run_name='__main__')" \
-        > "$NO_CUDNN"
-    sample "$OUT/sample256_cold.log" scripts/sample.py
-    sample "$OUT/sample256_warm.log" scripts/sample.py
-    sample "$OUT/sample256x8_warm.log" scripts/sample.py --samples 8
-    sample "$OUT/sample256_nocudnn_warm.log" "$NO_CUDNN"
+    sample "$OUT/sample256_cold.log" "sample.py" "" -m scripts.sample
+    sample "$OUT/sample256_warm.log" "sample.py" "" -m scripts.sample
+    sample "$OUT/sample256x8_warm.log" "sample.py --samples 8" "--samples 8" -m scripts.sample
+    sample "$OUT/sample256_nocudnn_warm.log" "sample.py without cuDNN" "" -c "$NO_CUDNN"
 fi
 if wanted generate; then
-    step generate 240 "$OUT/decode_generate.log" "$PY" scripts/bench_decode.py --out "$OUT/decode" --parts generate \
+    step generate 240 "$OUT/decode_generate.log" "$PY" -m scripts.bench_decode --out "$OUT/decode" --parts generate \
         --batches 1,8
 fi
 if wanted kernel; then
-    step kernel 180 "$OUT/decode_kernel.log" "$PY" scripts/bench_decode.py --out "$OUT/decode" --parts kernel \
+    step kernel 180 "$OUT/decode_kernel.log" "$PY" -m scripts.bench_decode --out "$OUT/decode" --parts kernel \
         --kernel-batches 1,8,32 --lengths 1024,4096,16384,32768,65536
 fi
 if wanted sweep; then
-    step sweep 180 "$OUT/decode_sweep.log" "$PY" scripts/bench_decode.py --out "$OUT/decode" --parts sweep
+    step sweep 180 "$OUT/decode_sweep.log" "$PY" -m scripts.bench_decode --out "$OUT/decode" --parts sweep
 fi
 rm -rf "$WORK"
 ! grep -q ': exit [1-9]' "$LOG"

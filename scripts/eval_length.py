@@ -1,7 +1,7 @@
 """Validation loss of trained runs at multiples of their training context (length extrapolation).
 
-    python scripts/eval_length.py multirun/2026-11-25_10-00-00 --out length/   # every run below the folder
-    python scripts/eval_length.py outputs/run-a outputs/run-b --factors 1 2 4 --batches 20
+    python -m scripts.eval_length multirun/2026-11-25_10-00-00 --out length/   # every run below the folder
+    python -m scripts.eval_length outputs/run-a outputs/run-b --factors 1 2 4 --batches 20
 
 Each run's newest checkpoint is evaluated on the validation split of its own data at sequence
 lengths factor x model.block_size (the same seed, so the same window starts at every length),
@@ -16,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 

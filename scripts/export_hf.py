@@ -1,7 +1,7 @@
 """Write a trained model as a Hugging Face folder that transformers loads with no custom code.
 
-    python scripts/export_hf.py outputs/gpt2-sdpa-shakespeare --out hf/gpt2-shakespeare
-    python scripts/export_hf.py outputs/run/checkpoints/step_0005000.pt --out hf/run --dtype bf16
+    python -m scripts.export_hf outputs/gpt2-sdpa-shakespeare --out hf/gpt2-shakespeare
+    python -m scripts.export_hf outputs/run/checkpoints/step_0005000.pt --out hf/run --dtype bf16
 
 The checkpoint is chosen as scripts/sample.py chooses it (a run folder: its best.pt, else its newest;
 FSDP-sharded folders too). A model with learned positions, LayerNorm and the GELU MLP becomes a
@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 

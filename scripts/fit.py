@@ -1,8 +1,8 @@
 """Find what trains within a GPU memory budget, per attention backend.
 
-    python scripts/fit.py model=gpt2 trainer.vram_budget_gb=8
-    python scripts/fit.py model=gpt2 --budgets 8,12,24 --backends naive,hybrid,sdpa,flash --out fit.json
-    python scripts/fit.py experiment=gpt2 model.activation_checkpointing=true --budgets 8
+    python -m scripts.fit model=gpt2 trainer.vram_budget_gb=8
+    python -m scripts.fit model=gpt2 --budgets 8,12,24 --backends naive,hybrid,sdpa,flash --out fit.json
+    python -m scripts.fit experiment=gpt2 model.activation_checkpointing=true --budgets 8
 
 For each backend: the largest micro-batch at the configured model.block_size, the longest sequence
 at batch 1 (a multiple of 256, model.block_size raised as needed), and the grad_accum that reaches
@@ -18,8 +18,9 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 

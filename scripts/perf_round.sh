@@ -72,29 +72,29 @@ if wanted tests; then
 fi
 
 if wanted profile; then
-    step profile 45 $PY scripts/profile_flash.py --out "$WORK/profile"
+    step profile 45 $PY -m scripts.profile_flash --out "$WORK/profile"
     copy "$WORK/profile/profile.md" profile.md
 fi
 
 if wanted anchors; then
-    step anchors 95 $PY scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn,flex \
+    step anchors 95 $PY -m scripts.bench_attention --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn,flex \
         --modes fwd,fwd+bwd --out "$WORK/anchors"
     copy "$WORK/anchors/summary.md" anchors.md
     copy "$WORK/anchors/results.csv" anchors.csv
 fi
 
 if wanted dropout; then
-    step dropout 35 $PY scripts/bench_flash.py --dropout 0.1 --shapes "$SHAPES" --out "$WORK/dropout"
+    step dropout 35 $PY -m scripts.bench_flash --dropout 0.1 --shapes "$SHAPES" --out "$WORK/dropout"
     copy "$WORK/dropout/dropout.md" dropout.md
 fi
 
 if wanted gate; then
-    step gate 40 $PY scripts/bench_flash.py --gate --shapes "$SHAPES" --out "$WORK/gate"
+    step gate 40 $PY -m scripts.bench_flash --gate --shapes "$SHAPES" --out "$WORK/gate"
     copy "$WORK/gate/gate.md" gate.md
 fi
 
 if wanted first-call; then
-    step first-call 110 $PY scripts/bench_flash.py --first-call --out "$WORK/first_call"
+    step first-call 110 $PY -m scripts.bench_flash --first-call --out "$WORK/first_call"
     copy "$WORK/first_call/first_call.md" first_call.md
 fi
 

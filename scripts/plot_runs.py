@@ -1,10 +1,10 @@
 """Draw the plots of docs/BENCHMARKS.md that no benchmark script draws, from the raw results in docs/runs/.
 
-    python scripts/plot_runs.py                   # writes docs/img/{flash_anchors,gpt2_end_to_end,fit_gpt2,cross_entropy,scaling_2xh200,baby_gpt_2026-11-24}.png
-    python scripts/plot_runs.py --out /tmp/img    # elsewhere
+    python -m scripts.plot_runs                   # writes docs/img/{flash_anchors,gpt2_end_to_end,fit_gpt2,cross_entropy,scaling_2xh200,baby_gpt_2026-11-24}.png
+    python -m scripts.plot_runs --out /tmp/img    # elsewhere
 
 The attention plots (anchors, T sweep, 8 GiB budget) come from bench_attention.py itself:
-`python scripts/bench_attention.py --from-json docs/runs/bench_anchors_2026-11-23.json --out /tmp/anchors`.
+`python -m scripts.bench_attention --from-json docs/runs/bench_anchors_2026-11-23.json --out /tmp/anchors`.
 Needs matplotlib.
 """
 import argparse
@@ -21,7 +21,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from data.folders import make_folder  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
@@ -158,7 +160,7 @@ def cross_entropy(out: Path) -> None:
               for label, match in picks.items()}
     fig, ax = plt.subplots(figsize=(9, 3.8))
     bars(ax, cases, series, "GB/s (one read + one write of the logits)", "logits -> row losses and softmax - onehot")
-    save(fig, out, "cross_entropy.png", f"python scripts/bench_cross_entropy.py; {H100}, 2026-11-23, commit 802eb7c")
+    save(fig, out, "cross_entropy.png", f"python -m scripts.bench_cross_entropy; {H100}, 2026-11-23, commit 802eb7c")
 
 
 def scaling(out: Path) -> None:

@@ -1,9 +1,9 @@
 """The second benchmark corpus (experiment=linux_corpus): Linux 6.1's documentation and C sources, as
 Debian's package linux-source-6.1 ships them: 160 MB of UTF-8 text, 70.9M GPT-2 tokens.
 
-    python scripts/prepare_corpus.py pack --out bench/corpus/linux-6.1.tar.xz      # needs apt (Debian) and a network
-    python scripts/prepare_corpus.py pack --deb linux-source-6.1_*.deb --out ...   # from a .deb already here
-    python scripts/prepare_corpus.py unpack bench/corpus/linux-6.1.tar.xz          # -> bench/corpus/linux-6.1/
+    python -m scripts.prepare_corpus pack --out bench/corpus/linux-6.1.tar.xz      # needs apt (Debian) and a network
+    python -m scripts.prepare_corpus pack --deb linux-source-6.1_*.deb --out ...   # from a .deb already here
+    python -m scripts.prepare_corpus unpack bench/corpus/linux-6.1.tar.xz          # -> bench/corpus/linux-6.1/
 
 ``pack`` downloads the package (``apt-get download``; or takes ``--deb``), reads the kernel tarball
 inside it and writes the chosen files (``selected``) to one xz-compressed tar of about 27 MB, small
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     if args.command == "unpack":
         archive = Path(args.archive)
         if not archive.is_file():
-            fail(f"{archive}: no such file; write it with `python scripts/prepare_corpus.py pack --out {archive}`")
+            fail(f"{archive}: no such file; write it with `python -m scripts.prepare_corpus pack --out {archive}`")
         unpack(archive, Path(args.out) if args.out else archive.with_name(archive.name.removesuffix(".tar.xz")))
         return
     if args.deb is None:

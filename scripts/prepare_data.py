@@ -1,15 +1,17 @@
 """Tokenize a `data=` config ahead of time, with the same overrides as train.py.
 
-    python scripts/prepare_data.py                                  # Tiny Shakespeare, GPT-2 BPE
-    python scripts/prepare_data.py data=shakespeare_char
-    python scripts/prepare_data.py data=hf data.path=./corpus/ data.num_proc=8
-    python scripts/prepare_data.py data=hf data.path=HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT data.max_docs=100000
+    python -m scripts.prepare_data                                  # Tiny Shakespeare, GPT-2 BPE
+    python -m scripts.prepare_data data=shakespeare_char
+    python -m scripts.prepare_data data=hf data.path=./corpus/ data.num_proc=8
+    python -m scripts.prepare_data data=hf data.path=HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT data.max_docs=100000
 """
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

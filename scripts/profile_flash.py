@@ -1,7 +1,7 @@
 """Where the time of one flash-attention call goes: host time per piece, GPU time per kernel.
 
-    python scripts/profile_flash.py --out OUTDIR      # writes profile.json and profile.md
-    python scripts/profile_flash.py --compare . ../base --out OUTDIR   # host.json and host.md
+    python -m scripts.profile_flash --out OUTDIR      # writes profile.json and profile.md
+    python -m scripts.profile_flash --compare . ../base --out OUTDIR   # host.json and host.md
 
 1. Host time (microseconds of CPU per call) of each piece of our forward+backward, measured at a
    tiny shape where the GPU work is negligible, so back-to-back calls are limited by the host:
@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
-from scripts.bench_common import ANCHORS, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
+from scripts.bench_common import ANCHORS, ROOT, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 
@@ -287,9 +288,9 @@ def compare_host(trees: list[Path], rounds: int, shape: list[int]) -> dict:
     found: dict = {label: {} for label, _, _ in variants}
     for _ in range(rounds):
         for label, tree, plain in variants:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--host-child", str(tree), "--host-shape",
+            cmd = [sys.executable, "-m", "scripts.profile_flash", "--host-child", str(tree), "--host-shape",
                    *map(str, shape)] + (["--plain"] if plain else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 raise RuntimeError(f"profile_flash.py --host-child {tree} failed:\n{proc.stderr[-3000:]}")
             for step, us in json.loads(proc.stdout.strip().splitlines()[-1]).items():

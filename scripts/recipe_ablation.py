@@ -1,9 +1,9 @@
 """The recipe's ablation (scripts/ablation_recipe.sh runs it): its variants as experiment configs, and its report.
 
-    python scripts/recipe_ablation.py variants --out WORK/configs      # writes them, prints their names
-    python scripts/recipe_ablation.py variants --onto linux_corpus --sides --out WORK/configs   # base, recipe
-    python scripts/recipe_ablation.py report WORK/multirun --target 1.47 --out OUT
-    python scripts/recipe_ablation.py report WORK/multirun --target base --out OUT   # the baseline's final val
+    python -m scripts.recipe_ablation variants --out WORK/configs      # writes them, prints their names
+    python -m scripts.recipe_ablation variants --onto linux_corpus --sides --out WORK/configs   # base, recipe
+    python -m scripts.recipe_ablation report WORK/multirun --target 1.47 --out OUT
+    python -m scripts.recipe_ablation report WORK/multirun --target base --out OUT   # the baseline's final val
 
 The switches (SWITCHES) are the settings in which experiment=speedrun_char differs from the schema's
 defaults: on, a switch takes speedrun_char's value; off, the default (GPT-2 as nanoGPT trains it).
@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from omegaconf import OmegaConf  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Generate text from a checkpoint or a Hugging Face folder.
 
-    python scripts/sample.py outputs/tiny-sdpa-shakespeare --prompt "ROMEO:" --tokens 200
-    python scripts/sample.py outputs/run/checkpoints/step_0000300.pt --temperature 0.7 --top-k 50
-    python scripts/sample.py outputs/fsdp-run/checkpoints/step_0000300   # a sharded (FSDP) checkpoint
-    python scripts/sample.py hf/gpt2-shakespeare --temperature 0        # a GPT-2 or Llama folder (export_hf.py)
+    python -m scripts.sample outputs/tiny-sdpa-shakespeare --prompt "ROMEO:" --tokens 200
+    python -m scripts.sample outputs/run/checkpoints/step_0000300.pt --temperature 0.7 --top-k 50
+    python -m scripts.sample outputs/fsdp-run/checkpoints/step_0000300   # a sharded (FSDP) checkpoint
+    python -m scripts.sample hf/gpt2-shakespeare --temperature 0        # a GPT-2 or Llama folder (export_hf.py)
 
 A run folder means its best checkpoint (checkpoints/best.pt, kept with trainer.keep_best=true) when
 it has one, else its newest; the checkpoint used is named on stderr, and checked before it is used
@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402

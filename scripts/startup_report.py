@@ -1,7 +1,7 @@
 """How soon runs get going and reach a target loss: one JSON line per run folder, then tables of them.
 
-    python scripts/startup_report.py collect RUN_DIR --status 0 --wall 41.2 experiment=gpt2 compile=true cache=cold >> runs.jsonl
-    python scripts/startup_report.py table runs.jsonl [--target 1.47]
+    python -m scripts.startup_report collect RUN_DIR --status 0 --wall 41.2 experiment=gpt2 compile=true cache=cold >> runs.jsonl
+    python -m scripts.startup_report table runs.jsonl [--target 1.47]
 
 ``collect`` prints one line: the labels given (key=value), the command's exit status and wall time,
 the run folder's run.json (the start's phases, the evaluations' time, torch.compile's disk-cache hits:
@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
 
 from omegaconf import OmegaConf  # noqa: E402
 

@@ -49,7 +49,7 @@ done
          "command again. Seconds of each phase of the start (step 3 is the one trainer.cuda_graph captures);" \
          "step 1 ends: seconds from the command; whole run: until the process exits."
     echo
-    "$PYTHON" scripts/startup_report.py table "$OUT/startup.jsonl"
+    "$PYTHON" -m scripts.startup_report table "$OUT/startup.jsonl"
 } >"$OUT/startup.md"
 cat "$OUT/startup.md"
 ! grep -q '"status": [1-9]' "$OUT/startup.jsonl"

@@ -57,7 +57,7 @@ timed() {  # timed RUNS NAME CACHES LIMIT "LABELS" ARGS...: cached_run within th
     if [ "$left" -lt "$MIN_RUN" ]; then
         echo "== $name: skipped, ${left}s of the budget left"
         # shellcheck disable=SC2086  # the labels are separate words
-        "$PYTHON" scripts/startup_report.py collect "$caches/run-$name" $labels --skipped "${left} s of BUDGET=$BUDGET left" >>"$runs"
+        "$PYTHON" -m scripts.startup_report collect "$caches/run-$name" $labels --skipped "${left} s of BUDGET=$BUDGET left" >>"$runs"
         return
     fi
     cached_run "$runs" "$name" "$caches" "$((left < limit ? left : limit))" "$labels" "$@"
@@ -120,11 +120,11 @@ done
     echo
     echo "## experiment=speedrun_char and the baseline"
     echo
-    "$PYTHON" scripts/startup_report.py table "$OUT/runs.jsonl" --target "$TARGET"
+    "$PYTHON" -m scripts.startup_report table "$OUT/runs.jsonl" --target "$TARGET"
     echo
     echo "## experiment=gpt2's start"
     echo
-    "$PYTHON" scripts/startup_report.py table "$OUT/startup.jsonl"
+    "$PYTHON" -m scripts.startup_report table "$OUT/startup.jsonl"
 } >"$OUT/summary.md"
 rm -rf "$WORK"
 cat "$OUT/summary.md"

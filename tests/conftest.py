@@ -129,7 +129,11 @@ for script, args in json.loads(sys.argv[1]):
     code = 0
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         try:
-            runpy.run_path(script, run_name="__main__")
+            if script.endswith(".py"):
+                runpy.run_path(script, run_name="__main__")
+            else:  # as `python -m` runs it: fresh, though an earlier case may have imported it
+                sys.modules.pop(script, None)
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
         except SystemExit as exit:
             code = 0 if exit.code is None else exit.code
         except BaseException:
@@ -141,8 +145,9 @@ print(json.dumps(results))
 
 
 def walk(cases, timeout: int = 600) -> list:
-    """``cases``: [script path, argv] each, run in turn in one Python process as `python <script> <argv>`
-    runs it (runpy): [exit status, stderr, stdout] of each, in order. One process's imports
+    """``cases``: [script, argv] each, run in turn in one Python process as `python <script> <argv>` (a
+    path) or `python -m <script> <argv>` (a module, scripts.sample) runs it (runpy): [exit status,
+    stderr, stdout] of each, in order. One process's imports
     serve every case, where a process per case pays 3-4 s of them on 2 CPU cores."""
     proc = subprocess.run([sys.executable, "-c", WALKER, json.dumps(cases)], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=timeout)

@@ -2,12 +2,13 @@
 
 Each wrong option or input stops with one clear line that names it, a non-zero exit and no traceback.
 """
+import importlib
 import importlib.util
 import re
 
 import pytest
 
-from conftest import REPO, assert_one_error_line, indexed, tiny_config, walk_train
+from conftest import assert_one_error_line, indexed, tiny_config, walk_train
 from errors import UserError
 from training import loop
 
@@ -232,10 +233,7 @@ def char_run(tmp_path_factory, data_cache):
 
 
 def script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{name}")
 
 
 SAMPLE_CASES = [

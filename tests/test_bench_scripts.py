@@ -25,10 +25,7 @@ def run(args, timeout=300, env=None):
 
 
 def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{name}")
 
 
 def markdown_table(text: str, heading: str):
@@ -45,7 +42,7 @@ def markdown_table(text: str, heading: str):
 
 
 def test_bench_attention_on_cpu_writes_tables_files_and_plots(tmp_path):
-    proc = run(["scripts/bench_attention.py", "--device", "cpu", "--dtype", "fp32", "--B", "1", "--H", "2",
+    proc = run(["-m", "scripts.bench_attention", "--device", "cpu", "--dtype", "fp32", "--B", "1", "--H", "2",
                 "--D", "16", "--T", "32,64", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("# cpu, torch ") and "triton" in proc.stdout.splitlines()[0]
@@ -150,14 +147,14 @@ def test_bench_attention_gpu_options_fail_clearly_without_cuda(args, message, ca
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_fit_fails_clearly_without_cuda():
-    proc = run(["scripts/fit.py", "model=tiny"])
+    proc = run(["-m", "scripts.fit", "model=tiny"])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("script", ["bench_flash.py --gate", "profile_flash.py"])
 def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
-    proc = run([f"scripts/{script.split()[0]}", *script.split()[1:], "--out", str(tmp_path)])
+    proc = run(["-m", f"scripts.{script.split()[0].removesuffix('.py')}", *script.split()[1:], "--out", str(tmp_path)])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "bench_attention.py --device cpu" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -175,7 +172,7 @@ def test_bench_flash_first_call_table_holds_each_shape_to_its_target():
             {"shape": ["fp16", 2, 8, 512, 80], "cold": run(10.6, 2.0, 2), "warm": run(0.3, 0.0, 0)},
             {"shape": ["bf16", 2, 8, 512, 64], "cold": run(6.0, 1.0, 1), "warm": run(1.1, 1.0, 1, torch_first=3.44)}]
     meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today", "commit": "abc1234",
-            "command": "python scripts/bench_flash.py --first-call"}
+            "command": "python -m scripts.bench_flash --first-call"}
     text = bench.first_call_table(rows, meta)
     table = markdown_table(text, "device: GPU")
     assert table[0][-3:] == ["target (cold)", "met", "torch's first backward, before the clock (cold / warm)"]
@@ -204,7 +201,7 @@ def test_bench_flash_gate_records_and_table_show_costs_ratios_and_what_is_missin
     assert records[1]["fla_fwd_ms"] is None and records[1]["fla_over_ours_fwd"] is None
 
     meta = {"device": "GPU", "torch": "t", "triton": "3.x", "date": "today", "commit": "abc1234",
-            "command": "python scripts/bench_flash.py --gate"}
+            "command": "python -m scripts.bench_flash --gate"}
     text = bench.gate_table(records, "flash-linear-attention: missing (ModuleNotFoundError: fla)", meta)
     assert "commit abc1234" in text and "flash-linear-attention: missing" in text
     table = markdown_table(text, "| B")
@@ -215,24 +212,24 @@ def test_bench_flash_gate_records_and_table_show_costs_ratios_and_what_is_missin
 
 
 def test_bench_flash_takes_one_mode_at_a_time(tmp_path):
-    proc = run(["scripts/bench_flash.py", "--gate", "--dropout", "0.1", "--out", str(tmp_path)])
+    proc = run(["-m", "scripts.bench_flash", "--gate", "--dropout", "0.1", "--out", str(tmp_path)])
     assert proc.returncode == 2 and "--dropout and --gate are separate measurements" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run(["scripts/bench_flash.py", "--out", str(tmp_path)])  # the speed against SDPA is bench_attention's
+    proc = run(["-m", "scripts.bench_flash", "--out", str(tmp_path)])  # the speed against SDPA is bench_attention's
     assert proc.returncode == 2 and "bench_attention.py --preset anchors" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cross_entropy_benchmark_fails_clearly_without_cuda():
-    proc = run(["scripts/bench_cross_entropy.py"])
+    proc = run(["-m", "scripts.bench_cross_entropy"])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_cross_entropy.py" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_decode_benchmark_fails_clearly_without_cuda(tmp_path):
-    proc = run(["scripts/bench_decode.py", "--out", str(tmp_path), "--parts", "kernel"])
+    proc = run(["-m", "scripts.bench_decode", "--out", str(tmp_path), "--parts", "kernel"])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_flash_decoding.py" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -259,7 +256,7 @@ def test_decode_benchmark_gives_transformers_our_weights():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bench_attention_on_gpu_under_a_budget(tmp_path):
-    proc = run(["scripts/bench_attention.py", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
+    proc = run(["-m", "scripts.bench_attention", "--device", "cuda", "--B", "1", "--H", "2", "--D", "64", "--T", "256,512",
                 "--modes", "fwd+bwd", "--vram-budget-gb", "2", "--backends", "naive,sdpa,flash,sdpa-fa2,sdpa-cudnn",
                 "--graphs", "--out", str(tmp_path)], env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
@@ -271,7 +268,7 @@ def test_bench_attention_on_gpu_under_a_budget(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_flash_on_gpu_reports_every_host_piece_and_each_kernel(tmp_path):
-    proc = run(["scripts/profile_flash.py", "--out", str(tmp_path), "--shapes", "1,2,256,64"],
+    proc = run(["-m", "scripts.profile_flash", "--out", str(tmp_path), "--shapes", "1,2,256,64"],
                env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "profile.json").read_text())
@@ -297,7 +294,7 @@ def test_profile_flash_compare_table_has_a_row_per_tree_and_plain_launches_where
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_flash_compares_the_host_time_of_trees_with_and_without_replay(tmp_path):
-    proc = run(["scripts/profile_flash.py", "--compare", ".", "--rounds", "1", "--out", str(tmp_path)],
+    proc = run(["-m", "scripts.profile_flash", "--compare", ".", "--rounds", "1", "--out", str(tmp_path)],
                env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     found = json.loads((tmp_path / "host.json").read_text())["host_compare"]
@@ -317,7 +314,7 @@ def test_compare_runs_reads_a_multirun_of_compare_backends(tmp_path, data_cache)
                 f"hydra.sweep.dir={sweep}"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "cmp"
-    proc = run(["scripts/compare_runs.py", str(sweep), "--out", str(out)])
+    proc = run(["-m", "scripts.compare_runs", str(sweep), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(open(out / "table.csv")))
     # One job per file of configs/attention/ (= per row of the backend table), in the sweep's (name) order.
@@ -380,7 +377,7 @@ def test_bench_attention_takes_tiled_forced_hybrid_blocks_and_times_compilation(
 
 @pytest.mark.parametrize("bad", ["hybrid@", "hybrid@0", "hybrid@x", "tiledd"])
 def test_bench_attention_rejects_unknown_backends(bad):
-    proc = run(["scripts/bench_attention.py", "--device", "cpu", "--backends", f"naive,{bad}"])
+    proc = run(["-m", "scripts.bench_attention", "--device", "cpu", "--backends", f"naive,{bad}"])
     assert proc.returncode == 2 and f"{bad!r} is not a mode or backend" in proc.stderr
 
 
@@ -399,7 +396,7 @@ def test_bench_attention_seed001_preset_picks_its_backends_and_compiles(monkeypa
 @pytest.mark.parametrize("script", ["bench_flash.py", "profile_flash.py"])
 @pytest.mark.parametrize("shapes", ["16,12,1024", "16,12,x,64", "16,12,0,64", ";"])
 def test_a_wrong_shape_list_fails_in_one_line_naming_the_format(tmp_path, script, shapes):
-    proc = run([f"scripts/{script}", "--out", str(tmp_path), "--shapes", shapes])
+    proc = run(["-m", f"scripts.{script.removesuffix('.py')}", "--out", str(tmp_path), "--shapes", shapes])
     assert proc.returncode == 2 and "argument --shapes" in proc.stderr and "B,H,T,D" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 

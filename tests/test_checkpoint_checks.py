@@ -5,13 +5,13 @@ resume=auto and scripts/sample.py alike."""
 import contextlib
 import copy
 import functools
-import importlib.util
+import importlib
 import re
 
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
+from conftest import tiny_config
 from errors import UserError
 from training import loop
 from training.checkpoint import list_checkpoints, load_checkpoint, validate_checkpoint
@@ -109,9 +109,7 @@ def test_a_sound_checkpoint_passes_and_gives_its_model(trained):
 
 @functools.lru_cache(maxsize=None)
 def sample_script():
-    spec = importlib.util.spec_from_file_location("sample", REPO / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("scripts.sample")
     return module
 
 

@@ -193,11 +193,9 @@ def test_a_context_parallel_size_that_does_not_divide_the_world_says_so(tmp_path
 # scripts/bench_context_parallel.py (its GPU numbers come from the H100; here the plumbing)
 
 def load_bench():
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("bench_cp", REPO / "scripts" / "bench_context_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("scripts.bench_context_parallel")
     return module
 
 

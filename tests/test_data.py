@@ -313,12 +313,12 @@ def test_a_local_looking_hf_path_that_is_missing_is_not_sent_to_the_hub(tmp_path
 
 
 def test_prepare_script_takes_hydra_overrides(tmp_path):
-    script = [sys.executable, str(REPO / "scripts" / "prepare_data.py")]
-    ok = subprocess.run(script + ["data=shakespeare_char", f"data.cache_dir={tmp_path}"], cwd=tmp_path,
+    script = [sys.executable, "-m", "scripts.prepare_data", f"hydra.run.dir={tmp_path}/run"]
+    ok = subprocess.run(script + ["data=shakespeare_char", f"data.cache_dir={tmp_path}"], cwd=REPO,
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "tokenizer char (vocab 65)" in ok.stdout
-    bad = subprocess.run(script + ["data.path=/no/such/file.txt"], cwd=tmp_path, capture_output=True, text=True)
+    bad = subprocess.run(script + ["data.path=/no/such/file.txt"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "data.path: /no/such/file.txt does not exist" in bad.stderr
 

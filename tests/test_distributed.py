@@ -113,7 +113,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_run_resumes(tm
 
 def test_a_sharded_checkpoint_samples_in_one_process_but_resumes_only_under_fsdp(tmp_path, data_cache):
     run(TORCHRUN, tmp_path, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=2", "trainer.max_steps=6")
-    sample = subprocess.run([sys.executable, "scripts/sample.py", str(tmp_path / "checkpoints" / "step_0000006"),
+    sample = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path / "checkpoints" / "step_0000006"),
                              "--tokens", "16", "--device", "cpu"], cwd=REPO, env=run_env(), capture_output=True,
                             text=True, timeout=120)
     assert sample.returncode == 0, sample.stderr

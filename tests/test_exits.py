@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from conftest import REPO, tiny_config, walk
+from conftest import REPO, assert_one_error_line, tiny_config, walk
 from errors import UserError
 from training.exits import exit_on_error
 from training.signals import StopSignal
@@ -83,9 +83,17 @@ def walked(tmp_path_factory):
     """Every WALK case run in one Python process (runpy, as `python <script>` runs it): (status, stderr)."""
     tmp = tmp_path_factory.mktemp("walk")
     (tmp / "a-file").write_text("")
-    cases = [[str(REPO / (script if script == "train.py" else f"scripts/{script}")), [a.format(tmp=tmp) for a in args]]
-             for script, args, _ in WALK]
+    cases = [[str(REPO / "train.py") if script == "train.py" else f"scripts.{script.removesuffix('.py')}",
+              [a.format(tmp=tmp) for a in args]] for script, args, _ in WALK]
     return tmp, walk(cases)
+
+
+def test_a_script_run_as_a_file_says_to_run_it_as_a_module():
+    """`python scripts/x.py` cannot import the repository's packages (no script edits sys.path)."""
+    scripts = [s for s in SCRIPTS if s != "prepare_corpus.py"]  # imports nothing of nanoflash: runs either way
+    for script, (code, stderr, _) in zip(scripts, walk([[f"scripts/{s}", []] for s in scripts])):
+        assert code == 2, (script, stderr)
+        assert_one_error_line(stderr, f"python -m scripts.{script.removesuffix('.py')}")
 
 
 @pytest.mark.parametrize("case", range(len(WALK)), ids=[f"{s}-{'-'.join(a)[:24]}" for s, a, _ in WALK])
@@ -234,12 +242,8 @@ def test_a_local_config_that_holds_a_list_fails_naming_it(tmp_path, capsys):
     pytest.param("config.yaml", "- a\n", "config.yaml holds a YAML list, not a run's config", id="config-a-list"),
 ])
 def test_compare_runs_names_a_damaged_file(tmp_path, file, content, message):
-    import importlib.util
-
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "elapsed_s": 1.0}\n')
     (tmp_path / file).write_text(content)
-    spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts" / "compare_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("scripts.compare_runs")
     with pytest.raises(UserError, match=re.escape(f"{tmp_path / file}") + ".*" + re.escape(message.split(" ", 1)[1])):
         module.main([str(tmp_path)])

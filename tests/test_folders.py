@@ -89,7 +89,7 @@ def test_two_preparations_of_one_cache_wait_for_each_other(tmp_path):
     folder.mkdir(parents=True)
     held = FolderLock(folder)
     assert held.try_acquire()
-    cmd = [sys.executable, "scripts/prepare_data.py", "data=shakespeare_char", f"data.cache_dir={cache}"]
+    cmd = [sys.executable, "-m", "scripts.prepare_data", "data=shakespeare_char", f"data.cache_dir={cache}"]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:

@@ -193,7 +193,7 @@ def test_refusals_of_the_export_script_are_one_line_with_exit_2(exported, tmp_pa
     path, state = choose_checkpoint(run)
     state["config"]["attention"]["window"] = 16
     torch.save(state, tmp_path / "windowed.pt")
-    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(tmp_path / "windowed.pt"), "--out",
+    proc = subprocess.run([sys.executable, "-m", "scripts.export_hf", str(tmp_path / "windowed.pt"), "--out",
                            str(tmp_path / "out")], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.startswith("error: cannot export attention.window=16:"), proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()

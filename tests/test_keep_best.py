@@ -1,12 +1,12 @@
 """trainer.keep_best: checkpoints/best.pt follows the lowest validation loss, survives pruning and
 resumes, and scripts/sample.py takes it. The validation losses are scripted (``evaluate`` replaced)."""
-import importlib.util
+import importlib
 import shutil
 
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
+from conftest import tiny_config
 from errors import UserError
 from training import loop
 from training.checkpoint import Checkpointer, best_checkpoint, list_checkpoints, load_checkpoint
@@ -86,9 +86,7 @@ def test_starting_over_removes_the_old_best(tmp_path, run):
 
 
 def sample_script():
-    spec = importlib.util.spec_from_file_location("sample_script", REPO / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("scripts.sample")
     return module
 
 

@@ -58,5 +58,5 @@ def test_the_scripts_that_read_a_run_start_without_hydra(script):
     import subprocess
     import sys
 
-    code = f"import sys; sys.path.insert(0, 'scripts'); import {script}; assert 'hydra' not in sys.modules, '{script}'"
+    code = f"import sys, scripts.{script}; assert 'hydra' not in sys.modules, '{script}'"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

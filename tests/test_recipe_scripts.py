@@ -13,15 +13,13 @@ import torch
 
 from conftest import REPO, run_env
 
-sys.path.insert(0, str(REPO / "scripts"))
-
 
 def test_the_variants_turn_each_switch_on_and_off_and_compose(tmp_path):
     from test_configs import composed, typed
 
     from training.config import validate
 
-    import recipe_ablation
+    from scripts import recipe_ablation
 
     names = recipe_ablation.write_variants(tmp_path, ["add", "remove"], "speedrun_char")
     assert len(names) == 2 + 2 * len(recipe_ablation.SWITCHES)
@@ -47,7 +45,7 @@ def write_run(folder, name, vals, wall, first_log=0.5):
 
 
 def test_the_report_times_the_target_and_the_baselines_final_loss(tmp_path, capsys):
-    import recipe_ablation
+    from scripts import recipe_ablation
 
     # the baseline's first job paid 8 s of kernel builds before its first log; the seconds count after it
     write_run(tmp_path / "runs" / "0-ablation_base", "ablation_base", [1.6, 1.5, 1.48], wall=30.0, first_log=8.0)
@@ -62,7 +60,7 @@ def test_the_report_times_the_target_and_the_baselines_final_loss(tmp_path, caps
 
 
 def test_the_startup_report_times_the_target_from_the_command_and_shows_the_phases(tmp_path, capsys):
-    import startup_report
+    from scripts import startup_report
 
     run = tmp_path / "run"
     write_run(run, "speedrun", [1.5, 1.46, 1.44], wall=3.0, first_log=0.0)  # evaluations 1, 2 and 3 s after the loop's start
@@ -107,12 +105,12 @@ def test_the_corpus_is_packed_from_the_package_and_unpacked_to_text_documents(tm
     deb = fake_kernel_deb(tmp_path)
     archive = tmp_path / "corpus" / "linux-6.1.tar.xz"
     for args in (["pack", "--deb", str(deb), "--out", str(archive)], ["unpack", str(archive)]):
-        proc = subprocess.run([sys.executable, "scripts/prepare_corpus.py", *args], cwd=REPO, env=run_env(),
+        proc = subprocess.run([sys.executable, "-m", "scripts.prepare_corpus", *args], cwd=REPO, env=run_env(),
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
     docs = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "corpus" / "linux-6.1").iterdir())
     assert docs == ["Documentation__a.rst.txt", "fs__ext4__inode.c.txt"]  # no drivers, headers, images
-    proc = subprocess.run([sys.executable, "scripts/prepare_corpus.py", "unpack", str(tmp_path / "none.tar.xz")],
+    proc = subprocess.run([sys.executable, "-m", "scripts.prepare_corpus", "unpack", str(tmp_path / "none.tar.xz")],
                           cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no such file; write it with" in proc.stderr
 

@@ -65,7 +65,7 @@ def test_sample_works_from_any_folder_without_the_corpus_or_its_cache(tmp_path):
     shutil.rmtree(tmp_path / "cache")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "sample.py"), str(tmp_path / "run"), "--tokens", "20",
+    proc = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path / "run"), "--tokens", "20",
                            "--prompt", "ROMEO:", "--device", "cpu"],
                           cwd=elsewhere, env=run_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

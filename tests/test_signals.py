@@ -113,7 +113,7 @@ def test_sigterm_during_the_final_sample_ends_in_one_line(tmp_path, data_cache, 
     assert exited.value.code == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"SIGTERM: stopped while sampling; the run is finished and saved in {tmp_path / 'checkpoints' / 'step_0000004.pt'} "
-        f"(write a sample with python scripts/sample.py {tmp_path})")
+        f"(write a sample with python -m scripts.sample {tmp_path})")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000004.pt"]
 
 
@@ -146,12 +146,10 @@ def test_a_second_signal_during_a_save_leaves_no_temporary_file(tmp_path):
 
 
 def test_ctrl_c_while_sampling_is_one_line(tmp_path, data_cache, monkeypatch, capsys):
-    import importlib.util
+    import importlib
 
     loop.train(tiny_config(data_cache, max_steps=2, ckpt_interval=2), tmp_path)
-    spec = importlib.util.spec_from_file_location("sample", REPO / "scripts" / "sample.py")
-    sample = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sample)
+    sample = importlib.import_module("scripts.sample")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -14,7 +14,7 @@ from errors import UserError
 OUT_OF_MEMORY_ADVICE = (
     "Try a smaller trainer.batch_size with a larger trainer.grad_accum (same tokens per step), attention=flash "
     "or hybrid instead of naive, model.activation_checkpointing=true, or a shorter model.block_size "
-    "(scripts/fit.py finds what fits)"
+    "(python -m scripts.fit finds what fits)"
 )
 CPU_MEMORY_ADVICE = (
     "Try a smaller model (model.n_embd, model.n_layer; model=tiny), a smaller trainer.batch_size with a larger "

@@ -189,7 +189,7 @@ def write_sample(run: Run) -> str:
     if run.ranks.context_size > 1:
         if t.sample_tokens and run.ranks.is_main:
             print(f"no sample under trainer.context_parallel={run.ranks.context_size}; write one from a checkpoint: "
-                  f"python scripts/sample.py {run.run_dir}")
+                  f"python -m scripts.sample {run.run_dir}")
         return ""
     generating = run.ranks.is_main or run.ranks.sharded
     try:
@@ -199,7 +199,7 @@ def write_sample(run: Run) -> str:
         signum = getattr(err, "signum", signal.SIGINT)
         raise Interrupted(signum, f"{signal.Signals(signum).name}: stopped while sampling; the run is finished and "
                                   f"saved in {newest_checkpoint(run.run_dir)} (write a sample with python "
-                                  f"scripts/sample.py {run.run_dir})") from err
+                                  f"-m scripts.sample {run.run_dir})") from err
     if not (sample and run.ranks.is_main):
         return ""
     (run.run_dir / "sample.txt").write_text(sample)
