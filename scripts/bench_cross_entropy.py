@@ -18,11 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 if not __package__:  # run as a file: the repository's packages import only under python -m
     print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
     sys.exit(2)
+
+import torch  # noqa: E402
 
 from scripts.bench_common import command_line, environment, median_ms, require_cuda  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402

@@ -51,12 +51,12 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import torch
-import torch.nn.functional as F
-
 if not __package__:  # run as a file: the repository's packages import only under python -m
     print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
     sys.exit(2)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from scripts.bench_common import (ROOT, command_line, environment, first_line, graph_median_ms, median_ms,  # noqa: E402
                                   require_cuda)

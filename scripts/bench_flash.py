@@ -48,11 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 if not __package__:  # run as a file: the repository's packages import only under python -m
     print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
     sys.exit(2)
+
+import torch  # noqa: E402
 
 from scripts.bench_common import (ANCHORS, ROOT, causal_flops, command_line, environment, fail, first_line,  # noqa: E402
                                   forced_sdpa, median_ms, parse_shapes, relative_error, require_cuda,

@@ -14,16 +14,17 @@ import statistics
 import sys
 from pathlib import Path
 
-import matplotlib
-import matplotlib.ticker
+if not __package__:  # run as a file: the repository's packages import only under python -m
+    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
+    sys.exit(2)
+
+import matplotlib  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-if not __package__:  # run as a file: the repository's packages import only under python -m
-    print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
-    sys.exit(2)
 
 from data.folders import make_folder  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402

@@ -36,12 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import triton
-
 if not __package__:  # run as a file: the repository's packages import only under python -m
     print(f"error: run it from the repository's root as: python -m scripts.{Path(__file__).stem} ...", file=sys.stderr)
     sys.exit(2)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
 
 from scripts.bench_common import ANCHORS, ROOT, environment, forced_sdpa, median_ms, parse_shapes, require_cuda  # noqa: E402
 from training import profiling as training_profiling  # noqa: E402
