@@ -9,6 +9,8 @@
    the autograd round trip (of a Python Function, and of one built-in op: what any backend pays on
    this host), the floor (the round trip with our allocations and three ``kernel[grid](...)``
    launches of an empty kernel), next to SDPA's FlashAttention-2 and cuDNN.
+   The same forward+backward with plain launches (``kernel[grid]`` every call, no replayed
+   binaries: ``kernels/flash_attention/launch.py``) is measured beside it.
 2. At the given shapes, per call: the host's time to issue back-to-back calls, their wall time (no
    L2 flush), wall time with ``triton.testing.do_bench`` (L2 flushed before each call, as the
    benchmarks do), and the GPU time of each kernel from ``torch.profiler``. Wall time far above
@@ -17,7 +19,8 @@
 ``--compare TREE [TREE ...]``: the host time of one eager forward+backward through the public
 functions (plain, dropout 0.1, packed qkv; SDPA beside them) at ``--host-shape``, measured with
 each source tree's own kernels (this checkout is "."; another, e.g. a worktree of an earlier
-commit, by its path). Each measurement runs in a process of its own (``--host-child``), in turn, ``--rounds`` times; the table
+commit, by its path), and for a tree that replays launches also with plain launches. Each
+measurement runs in a process of its own (``--host-child``), in turn, ``--rounds`` times; the table
 gives the median of the rounds and each round.
 
 Needs a CUDA GPU.
@@ -25,6 +28,7 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -129,6 +133,22 @@ def launch_floor_step(q, k, v, do):
     return step
 
 
+@contextlib.contextmanager
+def plain_launches():
+    """Every launch of the tile kernels through ``kernel[grid]``, none replayed, inside the block."""
+    from kernels.flash_attention import backward, forward
+
+    replays = [tuner.replay for tuner in (forward.FWD, backward.DQ, backward.DKDV)]
+    was = [replay.on for replay in replays]
+    for replay in replays:
+        replay.on = False
+    try:
+        yield
+    finally:
+        for replay, on in zip(replays, was):
+            replay.on = on
+
+
 def public_steps(B: int, H: int, T: int, D: int, dtype) -> dict:
     """{name: one eager forward+backward} through the public functions (the same in every tree
     since the op rewrite) and SDPA: what ``--compare`` times in each tree."""
@@ -173,7 +193,10 @@ def host_pieces(B: int, H: int, T: int, D: int, dtype) -> dict:
         "flash_attn, no grad": lambda: flash_attn(q, k, v),
         **public,
     }
-    return {name: per_call_us(fn) for name, fn in pieces.items()}
+    times = {name: per_call_us(fn) for name, fn in pieces.items()}
+    with plain_launches():
+        times["flash_attn fwd+bwd, plain launches"] = per_call_us(public["flash_attn fwd+bwd"])
+    return times
 
 
 def kernel_times_us(step, iters: int = 20) -> dict:
@@ -241,28 +264,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def host_child(tree: Path, shape: list[int]) -> dict:
-    """``--host-child``: {step: us per call} of :func:`public_steps` with ``tree``'s kernels, each
-    step warmed up first (compilation, tuning)."""
+def host_child(tree: Path, plain: bool, shape: list[int]) -> dict:
+    """``--host-child``: {step: us per call} of :func:`public_steps` with ``tree``'s kernels (and
+    with ``plain``, plain launches), each step warmed up first (compilation, tuning)."""
     sys.path.insert(0, str(tree))
     B, H, T, D = shape
     steps = public_steps(B, H, T, D, torch.bfloat16)
-    return {name: per_call_us(fn) for name, fn in steps.items()}
+    with plain_launches() if plain else contextlib.nullcontext():
+        return {name: per_call_us(fn) for name, fn in steps.items()}
+
+
+def replays(tree: Path) -> bool:
+    """Whether ``tree``'s kernels replay launches (so can be measured with plain launches too)."""
+    path = tree / "kernels" / "flash_attention" / "launch.py"
+    return path.exists() and "class Replay" in path.read_text()
 
 
 def compare_host(trees: list[Path], rounds: int, shape: list[int]) -> dict:
-    """``--compare``: {tree: {step: [us per round]}}, each measurement a process of its own, the
-    trees in turn in every round (so a drift of the machine touches all alike)."""
-    found: dict = {str(tree): {} for tree in trees}
+    """``--compare``: {variant: {step: [us per round]}}, each measurement a process of its own, the
+    variants in turn in every round (so a drift of the machine touches all alike)."""
+    variants = [(str(tree), tree.resolve(), False) for tree in trees]
+    variants += [(f"{tree}, plain launches", tree.resolve(), True) for tree in trees if replays(tree)]
+    found: dict = {label: {} for label, _, _ in variants}
     for _ in range(rounds):
-        for tree in trees:
-            cmd = [sys.executable, "-m", "scripts.profile_flash", "--host-child", str(tree.resolve()), "--host-shape",
-                   *map(str, shape)]
+        for label, tree, plain in variants:
+            cmd = [sys.executable, "-m", "scripts.profile_flash", "--host-child", str(tree), "--host-shape",
+                   *map(str, shape)] + (["--plain"] if plain else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 raise RuntimeError(f"profile_flash.py --host-child {tree} failed:\n{proc.stderr[-3000:]}")
             for step, us in json.loads(proc.stdout.strip().splitlines()[-1]).items():
-                found[str(tree)].setdefault(step, []).append(us)
+                found[label].setdefault(step, []).append(us)
     return found
 
 
@@ -289,11 +321,12 @@ def main(argv=None) -> None:
                    help="time the public functions' host path in each source tree (this one: .)")
     p.add_argument("--rounds", type=int, default=3, help="--compare: measurements per tree, in turn")
     p.add_argument("--host-child", type=Path, metavar="TREE", help=argparse.SUPPRESS)
+    p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     require_cuda("profile_flash.py", "measures CUDA launches and kernels",
                  "scripts/bench_attention.py --device cpu runs every backend")
     if args.host_child:
-        print(json.dumps(host_child(args.host_child, args.host_shape)))
+        print(json.dumps(host_child(args.host_child, args.plain, args.host_shape)))
         return
     if args.out is None:
         p.error("--out is required")

@@ -282,8 +282,9 @@ def test_profile_flash_on_gpu_reports_every_host_piece_and_each_kernel(tmp_path)
     assert any("_attn_bwd_dkdv_kernel" in name for name in found["flash"]["kernels_us"])
 
 
-def test_profile_flash_compare_table_has_a_row_per_tree(tmp_path):
+def test_profile_flash_compare_table_has_a_row_per_tree_and_plain_launches_where_they_replay(tmp_path):
     profile = load_script("profile_flash")
+    assert profile.replays(REPO) and not profile.replays(tmp_path)
     report = {"device": "GPU", "torch": "2", "triton": "3", "date": "d", "commit": "c", "host_shape": [1, 2, 128, 64],
               "rounds": 2, "host_compare": {".": {"a": [190.0, 180.0], "b": [5.0, 7.0]},
                                             "../base": {"a": [300.0, 320.0], "b": [6.0, 6.0]}}}
@@ -292,17 +293,17 @@ def test_profile_flash_compare_table_has_a_row_per_tree(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_profile_flash_compares_the_host_time_of_trees(tmp_path):
+def test_profile_flash_compares_the_host_time_of_trees_with_and_without_replay(tmp_path):
     proc = run(["-m", "scripts.profile_flash", "--compare", ".", "--rounds", "1", "--out", str(tmp_path)],
                env=run_env(gpu=True))
     assert proc.returncode == 0, proc.stderr
     found = json.loads((tmp_path / "host.json").read_text())["host_compare"]
-    assert set(found) == {"."}
+    assert set(found) == {".", "., plain launches"}
     for times in found.values():
         assert set(times) == {"flash_attn fwd+bwd", "flash_attn fwd+bwd, dropout 0.1", "flash_attn_qkvpacked fwd+bwd",
                               "sdpa FA2 fwd+bwd", "sdpa cuDNN fwd+bwd"}
         assert all(len(us) == 1 and us[0] > 0 for us in times.values())
-    assert "| . |" in (tmp_path / "host.md").read_text()
+    assert "| ., plain launches |" in (tmp_path / "host.md").read_text()
 
 
 def test_compare_runs_reads_a_multirun_of_compare_backends(tmp_path, data_cache):

@@ -11,7 +11,8 @@
 - Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
   ``flash_attn_interface.py`` is built the same way).
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
-  them to its ``tuning.Tuner``, which picks the config and launches ``kernel[grid](...)``.
+  them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
+  binary Triton picked for an earlier call with the same arguments: ``launch.py``).
 
 Saved for backward: q, k, v (or qkv), o (B, T, H, D), lse (B, H, T) float32, cu_seqlens, with
 dropout the (2,) int64 RNG state the forward drew (``dropout.py``) and with a forget gate g

@@ -2,8 +2,9 @@
 
 A launch function builds its kernel's arguments (the tensors, then the other values, then the
 constexprs by name) and hands them to :meth:`Tuner.launch`, which picks a config and calls
-``kernel[grid](*tensors, *values, **constexprs, **config.options)``. The config is a speed choice
-only: every candidate computes the same result.
+``kernel[grid](*tensors, *values, **constexprs, **config.options)``, or replays the binary of an
+earlier call with the same arguments (``launch.py``). The config is a speed choice only: every
+candidate computes the same result.
 
 :meth:`Tuner.pick` keeps one config per *tuning key*: the device, q's dtype, the T bucket
 (``next_power_of_2`` of the longest sequence) and the values of the launch's ``constexprs``, the
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 
 from . import tune_cache
 from .configs import INTERPRET_CONFIGS, TileConfig, describe_device, shortlist
+from .launch import Replay
 
 KERNEL_NAMES = {"fwd": "forward", "dq": "dQ", "dkdv": "dK/dV"}
 TILE_NAMES = ("BLOCK_M", "BLOCK_N")
@@ -129,6 +131,7 @@ class Tuner:
         self.notice_after_s = notice_after_s
         self.interpreted = type(jit).__name__ == "InterpretedFunction"
         self.picks: dict[tuple, TileConfig] = {}  # tuning key -> config
+        self.replay = Replay(jit)
 
     def grid(self, cfg: TileConfig, rows: int, grid_yz: tuple[int, int]) -> tuple[int, int, int]:
         """Axis 0 covers ``rows`` in tiles of the resident block; axes 1, 2 are ``grid_yz``."""
@@ -145,13 +148,21 @@ class Tuner:
                cfg: Optional[TileConfig] = None) -> None:
         """``jit[grid](*tensors, *values)`` with ``cfg`` (None: :meth:`pick`'s, for the device and
         dtype of ``tensors[0]``, q), the grid covering ``rows`` and ``grid_yz``. ``tensors`` are the
-        kernel's leading arguments, ``values`` all the others but the tiles, its constexprs last."""
+        kernel's leading arguments, ``values`` all the others but the tiles, its constexprs last; the
+        binary of an earlier call with the same plan key is replayed (``launch.py``)."""
         q = tensors[0]
+        key = self.replay.key((q.device, rows, grid_yz, cfg), tensors, values)
+        plan = self.replay.plans.get(key)
+        if plan is not None:
+            plan.launch(*tensors, *values, *plan.rest)
+            return
         split = len(values) - len(self.constexpr_names)
         args, constexprs = tensors + values[:split], dict(zip(self.constexpr_names, values[split:]))
         if cfg is None:
             cfg = self.pick(q.device, q.dtype, rows, grid_yz, args, constexprs)
-        self.jit[self.grid(cfg, rows, grid_yz)](*args, **constexprs, **cfg.options)
+        grid = self.grid(cfg, rows, grid_yz)
+        compiled = self.jit[grid](*args, **constexprs, **cfg.options)
+        self.replay.record(key, compiled, grid, tensors, values, cfg.options)
 
     def pick(self, device, dtype, rows: int, grid_yz: tuple[int, int], args: tuple, constexprs: dict) -> TileConfig:
         """The config of a launch over ``rows`` (the longest sequence) with ``args`` and ``constexprs``."""
