@@ -118,6 +118,27 @@ def test_flash_decode_matches_reference(case):
     check_case(case)
 
 
+ONE_ROW_CPU_CASES = [  # G * Tq = 1: each program one row
+    Case((200, 37), 1, 2, 2, 64, F16, splits=3),
+    Case((50,), 1, 1, 1, 80, F32),
+    Case((177, 9), 1, 4, 4, 32, F32, window=20, gate=True, splits=2),
+]
+
+
+def check_with_sums(case: Case, monkeypatch) -> None:
+    """check_case with the launch's ``dot`` off: one-row programs take broadcast sums."""
+    from kernels.flash_decoding import function as decode_function
+
+    picked = decode_function.decode_config
+    monkeypatch.setattr(decode_function, "decode_config", lambda *args: picked(*args)._replace(dot=False))
+    check_case(case)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ONE_ROW_CPU_CASES])
+def test_one_row_programs_with_broadcast_sums_match_reference(case, monkeypatch):
+    check_with_sums(case, monkeypatch)
+
+
 def test_flash_decode_compiles_without_a_graph_break():
     """The op's fake shapes the traced graph (fullgraph=True), and the compiled call equals the eager one."""
     c = Case((40, 17), 2, 4, 2, 32, F32, gate=True)
@@ -199,6 +220,20 @@ def _cuda_cases() -> list[Case]:
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _cuda_cases()])
 def test_flash_decode_matches_reference_cuda(case):
     check_case(case)
+
+
+def _one_row_cuda_cases() -> list[Case]:
+    cases = [Case((length, max(1, length // 3)), 1, 12, 12, D, dt)
+             for length in (1, 17, 200, 4097, 32768) for D, dt in ((64, BF16), (128, F16), (80, BF16))]
+    return cases + [Case((4000, 1000), 1, 4, 4, 64, BF16, gate=True), Case((5000, 800), 1, 4, 4, 64, BF16, window=16),
+                    Case((1000, 100), 1, 4, 4, 64, F32), Case((5000, 33), 1, 2, 2, 64, BF16, splits=7)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in _one_row_cuda_cases()])
+def test_one_row_programs_with_broadcast_sums_match_reference_cuda(case, monkeypatch):
+    check_with_sums(case, monkeypatch)
 
 
 @gpu

@@ -41,6 +41,7 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    dot: bool = True  # off: a program of one row takes broadcast sums in place of tl.dot (kernel.py)
 
 
 @functools.lru_cache(maxsize=None)
