@@ -312,8 +312,8 @@ def decode_inputs(B: int, L: int, H: int, H_kv: int, D: int):
 
 
 def launch_name(config) -> str:
-    """splits/keys per step/warps/stages, and "sums" where one row takes broadcast sums (``dot`` off)."""
-    return "/".join(map(str, config[:4])) + ("" if config.dot else " sums")
+    """splits/keys per step/warps/stages."""
+    return "/".join(map(str, config))
 
 
 def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tuple[dict, str]:
@@ -373,11 +373,10 @@ def round1_launch(B: int, H_kv: int, L: int, D: int):
     return DecodeConfig(splits, block_n, 4, 3)
 
 
-def sweep_settings(default, round1, one_row: bool) -> list:
+def sweep_settings(default, round1) -> list:
     """The default launch, round 1's, and settings around the default: keys per step with 3 and 4 stages,
     2 warps (8 were the slowest everywhere in round 1), 5 stages, and the split count (halved, less
-    and more by half, doubled); with ``one_row`` (a program's rows G * Tq = 1) the same around the
-    default with ``dot`` switched."""
+    and more by half, doubled)."""
     from kernels.flash_decoding.launch import MAX_SPLITS
 
     settings = [default, round1]
@@ -385,11 +384,6 @@ def sweep_settings(default, round1, one_row: bool) -> list:
     settings += [default._replace(num_warps=2), default._replace(num_stages=5)]
     splits = (max(1, min(MAX_SPLITS, round(default.num_splits * f))) for f in (0.5, 0.75, 1.5, 2))
     settings += [default._replace(num_splits=s) for s in splits]
-    if one_row:  # the other way to take one row's scores, at each keys per step and the split counts around
-        other = default._replace(dot=not default.dot)
-        settings += [other._replace(block_n=bn, num_stages=st) for bn in (32, 64, 128) for st in (2, 3, 4)]
-        settings += [other._replace(num_warps=w) for w in (2, 8)]
-        settings += [other._replace(num_splits=max(1, min(MAX_SPLITS, round(default.num_splits * f)))) for f in (0.5, 2)]
     return list(dict.fromkeys(settings))  # each once, in order
 
 
@@ -405,7 +399,7 @@ def sweep_case(H: int, H_kv: int, D: int, B: int, L: int) -> list[dict]:
     q, k, v, seqlens = decode_inputs(B, L, H, H_kv, D)
     default, round1 = decode_config(B, H_kv, L, D, 2, CUDA), round1_launch(B, H_kv, L, D)
     rows = []
-    for config in sweep_settings(default, round1, H == H_kv):
+    for config in sweep_settings(default, round1):
         us, error = gpu_us(lambda: decode_launch(q, k, v, seqlens, None, D ** -0.5, 0, *config))
         tag = " (default)" if config == default else " (round 1)" if config == round1 else ""
         rows.append(dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(config) + tag, us=us,

@@ -3,10 +3,7 @@
 **Split kernel.** Grid (S, B * H_kv). Program (s, b, hk) takes every query head of KV head hk (the
 G = H / H_kv heads that share it: GQA packed into one program, as FlashAttention's
 ``flash_attn_with_kvcache`` does) and every one of the Tq new queries of sequence b: G * Tq rows,
-padded to ``BLOCK_M`` >= 16 for ``tl.dot``; a program of one row (G * Tq = 1, as GPT-2's heads at
-Tq = 1) may instead take its scores and output as broadcast sums in fp32 (``DOT`` off, ``BLOCK_M`` = 1:
-no padded rows, no operand layouts for the tensor cores). Each row's keys are read once per program,
-whatever G.
+padded to ``BLOCK_M`` >= 16 for ``tl.dot``. Each row's keys are read once per program, whatever G.
 The keys sequence b shows to any of its queries, [lo, length), are cut into S chunks (whole
 multiples of ``BLOCK_N``); program s streams chunk s through an online softmax in fp32 (base 2:
 ``log2(e)`` is folded into the scale) and writes its rows' normalised partial output and their
@@ -48,7 +45,7 @@ def _decode_split_kernel(
     stride_cb, stride_ct, stride_ch,
     stride_ob, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_bk = tl.program_id(1)
@@ -91,9 +88,7 @@ def _decode_split_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        if not DOT:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
-        elif IEEE:
+        if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         else:
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -110,9 +105,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not DOT:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
+        if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -170,14 +163,11 @@ def decode_launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    dot: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and with ``num_splits`` > 1 the merge kernel); inputs as
     ``flash_decode`` takes them (checked there), window 0 = none. Returns o (B, Tq, H, D) in q's dtype
     and lse (B, H, Tq) float32, natural log. ``block_n``, ``num_warps``, ``num_stages``: the split
-    kernel's keys per step and launch settings, ``dot`` off: a program of one row takes broadcast sums in
-    place of ``tl.dot`` (more rows always go through ``tl.dot``) (launch.py picks them;
-    scripts/bench_decode.py sweeps them)."""
+    kernel's keys per step and launch settings (launch.py picks them; scripts/bench_decode.py sweeps them)."""
     B, Tq, H, D = q.shape
     G = H // k_cache.shape[2]
     o = torch.empty((B, Tq, H, D), dtype=q.dtype, device=q.device)
@@ -187,14 +177,13 @@ def decode_launch(
     lse_part = None if single else torch.empty((B * H * Tq, num_splits), dtype=torch.float32, device=q.device)
     sc = gate_cache.stride() if gate_cache is not None else (0, 0, 0)
     block_d = triton.next_power_of_2(D)
-    use_dot = dot or G * Tq > 1
     _decode_split_kernel[(num_splits, B * k_cache.shape[2])](
         q, k_cache, v_cache, gate_cache, cache_seqlens, o, lse, o_part, lse_part,
         softmax_scale * 1.4426950408889634, window, Tq, H, G, num_splits,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *sc, *o.stride()[:3],
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(G * Tq)) if use_dot else 1,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(G * Tq)),
         BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_GATE=gate_cache is not None,
-        SINGLE=single, IEEE=q.dtype == torch.float32, DOT=use_dot, num_warps=num_warps, num_stages=num_stages,
+        SINGLE=single, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _decode_merge_kernel[(B * H * Tq,)](
