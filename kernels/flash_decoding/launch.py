@@ -15,11 +15,13 @@ at batch 1 split 22 ways on 132 SMs (264 programs, one full wave), a GQA batch o
 Each split takes at least one ``block_n`` of the capacity, and there are at most ``MAX_SPLITS``.
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
-``NUM_STAGES`` stages of K and V tiles in flight; one stage more (``DEEP_STAGES``) where each split
+``NUM_STAGES`` stages of K and V tiles in flight; ``LONG_BLOCK_N`` keys per step where each split
 streams at least ``LONG_SPLIT`` keys of the capacity, the programs fit one wave of ``RESIDENT`` per SM,
-and ``RESIDENT`` programs of that depth still fit an SM's shared memory (at D = 64 in 16-bit types;
-not at D = 128, where it would leave one program per SM). Past one wave the deeper pipeline costs:
-GPT-2 at batch 32 (384 programs), 32k cache, 728 µs at 4 stages against 702 at 3 (H200, the same sweep). scripts/bench_decode.py's sweep times the settings around these picks.
+and ``RESIDENT`` programs of those tiles still fit an SM's shared memory (at D = 64 in 16-bit types on
+an H100/H200; not at D = 128, nor on a ~100 KB consumer card). On an H200 (scripts/bench_decode.py's
+sweep, 2026-11-26): GPT-2 at batch 4 (5 splits), 15.2 µs at a 4k cache against 17.4 with 64 keys at 4
+stages (the pick before) and 16.9 at 3; past one wave 128 keys cost (batch 8, 32k: 220 µs against
+193), and so does a fourth stage (batch 32, 32k: 728 µs against 702 at 3).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ MOST_PER_SM = 3  # programs per SM the splits may make at most
 MAX_SPLITS = 128
 BLOCK_N, WIDE_BLOCK_N = 64, 32  # keys per step for D <= 128, and past it
 NUM_WARPS = 4
-NUM_STAGES, DEEP_STAGES = 3, 4
-LONG_SPLIT = 512  # keys of the capacity per split from which the pipeline is DEEP_STAGES deep
+NUM_STAGES = 3
+LONG_BLOCK_N = 128  # keys per step where the splits are long and fit one wave
+LONG_SPLIT = 512  # keys of the capacity per split from which they are long
 
 
 class DecodeConfig(NamedTuple):
@@ -67,10 +70,10 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
         return DecodeConfig(num_splits or 1, block_n, NUM_WARPS, NUM_STAGES)
     sms, smem = gpu_resources(device)
     splits = num_splits or split_count(batch * kv_heads, sms, -(-capacity // block_n))
-    stage_bytes = 2 * block_n * _next_power_of_2(head_dim) * elem_bytes  # one K and one V tile
+    long_stage_bytes = 2 * LONG_BLOCK_N * _next_power_of_2(head_dim) * elem_bytes  # one K and one V tile
     one_wave = batch * kv_heads * splits <= RESIDENT * sms
-    deep = one_wave and capacity >= LONG_SPLIT * splits and RESIDENT * DEEP_STAGES * stage_bytes <= smem
-    return DecodeConfig(splits, block_n, NUM_WARPS, DEEP_STAGES if deep else NUM_STAGES)
+    long = one_wave and capacity >= LONG_SPLIT * splits and RESIDENT * NUM_STAGES * long_stage_bytes <= smem
+    return DecodeConfig(splits, LONG_BLOCK_N if long else block_n, NUM_WARPS, NUM_STAGES)
 
 
 def split_count(pairs: int, sms: int, most: int) -> int:
