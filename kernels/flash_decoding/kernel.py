@@ -37,7 +37,7 @@ MERGE_WARPS = 4
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, C, LENGTHS, O, LSE, O_PART, LSE_PART, ARRIVED,
+    Q, K, V, C, LENGTHS, O, LSE, O_PART, LSE_PART,
     qk_scale, WINDOW, Tq, H, G, S,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -46,7 +46,6 @@ def _decode_split_kernel(
     stride_ob, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_GATE: tl.constexpr, SINGLE: tl.constexpr, IEEE: tl.constexpr,
-    FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     i_s = tl.program_id(0)
     i_bk = tl.program_id(1)
@@ -125,37 +124,6 @@ def _decode_split_kernel(
         part = out_rows * S + i_s
         tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE_PART + part, lse2, mask=row_ok)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partial stores come before the release below
-            arrived = tl.atomic_add(ARRIVED + i_bk, 1, sem="acq_rel", scope="gpu")
-            if arrived == S - 1:  # the last split of (b, hk) to finish merges them all
-                for r in range(G * Tq):
-                    row = (i_b * H + i_hk * G + r // Tq).to(tl.int64) * Tq + r % Tq
-                    _merge_row(O_PART, LSE_PART, O, LSE, row, Tq, H, S, stride_ob, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_D, BLOCK_S)
-                tl.store(ARRIVED + i_bk, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _merge_row(O_PART, LSE_PART, O, LSE, row, Tq, H, S, stride_ob, stride_ot, stride_oh,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Fold the S partial outputs of ``row`` = (b * H + h) * Tq + t into o and the row's lse."""
-    t = row % Tq
-    h = (row // Tq) % H
-    b = row // (Tq * H)
-    splits = tl.arange(0, BLOCK_S)
-    s_ok = splits < S
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    lse = tl.load(LSE_PART + row * S + splits, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # an empty split (lse = -inf) weighs 0
-    parts = tl.load(O_PART + (row * S + splits[:, None]) * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * parts, 0) / total
-    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + row, (m + tl.log2(total)) * LN2)
 
 
 @triton.jit
@@ -164,27 +132,23 @@ def _decode_merge_kernel(
     stride_ob, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    _merge_row(O_PART, LSE_PART, O, LSE, tl.program_id(0).to(tl.int64), Tq, H, S, stride_ob, stride_ot, stride_oh,
-               HEAD_DIM, BLOCK_D, BLOCK_S)
-
-
-_ARRIVED: dict[torch.device, torch.Tensor] = {}
-MIN_COUNTERS = 1 << 16  # (sequence, KV head) pairs the first buffer serves: 256 KB
-
-
-def arrival_counters(pairs: int, device: torch.device) -> torch.Tensor:
-    """The zeroed int32 counters, one per (sequence, KV head) pair, that the split kernel's programs
-    count their arrivals on; the last to arrive merges and sets its counter back to 0. One buffer per
-    device, kept between calls (a captured CUDA graph replays with the buffer it saw), so calls on one
-    device must run in one stream's order, as a decode loop's do."""
-    counters = _ARRIVED.get(device)
-    if counters is None or counters.numel() < pairs:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"flash_decode: {pairs} (sequence, KV head) pairs need a larger counter buffer than "
-                               "the last eager call made; call it once outside the CUDA-graph capture first")
-        counters = torch.zeros(max(pairs, MIN_COUNTERS), dtype=torch.int32, device=device)
-        _ARRIVED[device] = counters
-    return counters
+    row = tl.program_id(0).to(tl.int64)  # (b * H + h) * Tq + t
+    t = row % Tq
+    h = (row // Tq) % H
+    b = row // (Tq * H)
+    splits = tl.arange(0, BLOCK_S)
+    s_ok = splits < S
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(LSE_PART + row * S + splits, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # an empty split (lse = -inf) weighs 0
+    parts = tl.load(O_PART + (row * S + splits[:, None]) * HEAD_DIM + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / total
+    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + row, (m + tl.log2(total)) * LN2)
 
 
 def decode_launch(
@@ -199,7 +163,6 @@ def decode_launch(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    fused_merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the split kernel (and with ``num_splits`` > 1 the merge kernel); inputs as
     ``flash_decode`` takes them (checked there), window 0 = none. Returns o (B, Tq, H, D) in q's dtype
@@ -212,23 +175,19 @@ def decode_launch(
     single = num_splits == 1
     o_part = None if single else torch.empty((B * H * Tq, num_splits, D), dtype=torch.float32, device=q.device)
     lse_part = None if single else torch.empty((B * H * Tq, num_splits), dtype=torch.float32, device=q.device)
-    fused = fused_merge and not single
-    arrived = arrival_counters(B * k_cache.shape[2], q.device) if fused else None
     sc = gate_cache.stride() if gate_cache is not None else (0, 0, 0)
     block_d = triton.next_power_of_2(D)
-    block_s = triton.next_power_of_2(num_splits)
     _decode_split_kernel[(num_splits, B * k_cache.shape[2])](
-        q, k_cache, v_cache, gate_cache, cache_seqlens, o, lse, o_part, lse_part, arrived,
+        q, k_cache, v_cache, gate_cache, cache_seqlens, o, lse, o_part, lse_part,
         softmax_scale * 1.4426950408889634, window, Tq, H, G, num_splits,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *sc, *o.stride()[:3],
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, triton.next_power_of_2(G * Tq)),
         BLOCK_N=block_n, HAS_WINDOW=window > 0, HAS_GATE=gate_cache is not None,
-        SINGLE=single, IEEE=q.dtype == torch.float32, FUSED=fused, BLOCK_S=block_s,
-        num_warps=num_warps, num_stages=num_stages,
+        SINGLE=single, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    if not single and not fused:
+    if not single:
         _decode_merge_kernel[(B * H * Tq,)](
             o_part, lse_part, o, lse, Tq, H, num_splits, *o.stride()[:3],
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=block_s, num_warps=MERGE_WARPS,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=MERGE_WARPS,
         )
     return o, lse
