@@ -1,6 +1,6 @@
 """Measurements of our flash kernel that no other backend shares: the cost of attention dropout
-(``--dropout P``), the first call at a new shape (``--first-call``) and the cost of the forget gate
-(``--gate``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
+(``--dropout P``), the first call at a new shape (``--first-call``), the cost of the forget gate
+(``--gate``) and the Hopper forward in Gluon against the ``tl`` kernel's (``--hopper``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
 ``scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]``.
 
 Times are medians of ``triton.testing.do_bench``; TFLOP/s count causal forward flops as 2*B*H*T^2*D
@@ -32,6 +32,13 @@ gates near 1 as the Forgetting Transformer starts. Before timing, FLA's o, dq, d
 compared with ours. Writes gate.json, gate.md and gate.csv.
 
     python -m scripts.bench_flash --gate --out OUTDIR
+
+``--hopper`` times the forward alone, causal, bf16, eager: the Gluon kernel for sm90
+(``kernels/flash_attention/hopper.py``), the ``tl`` kernel's launch function and SDPA's cuDNN
+kernel, with the largest difference between the two kernels' outputs. Writes hopper.json and
+hopper.md; needs an H100/H200.
+
+    python -m scripts.bench_flash --hopper --out OUTDIR
 
 Needs a CUDA GPU.
 """
@@ -393,6 +400,41 @@ def chosen_configs() -> dict:
     return {t.kind: {str(key): str(cfg) for key, cfg in t.picks.items()} for t in (forward.FWD, backward.DQ, backward.DKDV)}
 
 
+def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
+    """Per shape: forward ms and TFLOP/s of the Gluon kernel, the tl kernel and cuDNN; max |o_gluon - o_tl|."""
+    from kernels.flash_attention import hopper
+    from kernels.flash_attention.forward import attn_fwd
+
+    cudnn = forced_sdpa("CUDNN_ATTENTION", heads_first=False)
+    rows = []
+    for B, H, T, D in shapes:
+        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        why = hopper.unsupported(q, k, v, 0, None, 0.0, None)
+        if why:
+            fail(f"--hopper at {(B, H, T, D)}: the Hopper forward {why}")
+        forwards = {"gluon": lambda: hopper.attn_fwd_sm90(q, k, v, D ** -0.5, True),
+                    "tl": lambda: attn_fwd(q, k, v, D ** -0.5, True), "cudnn": lambda: cudnn(q, k, v)}
+        difference = (forwards["gluon"]()[0].float() - forwards["tl"]()[0].float()).abs().max().item()
+        row = {"shape": [B, H, T, D], "max_diff_vs_tl": difference}
+        for name, fn in forwards.items():
+            ms = median_ms(fn, CUDA, warmup, rep)
+            row[name] = {"fwd_ms": ms, "fwd_tflops": tflops(causal_flops(B, H, T, D, backward=False), ms)}
+        rows.append(row)
+    return rows
+
+
+def hopper_table(rows: list[dict], meta: dict) -> str:
+    lines = table_header(meta, "Hopper forward (Gluon) against the tl kernel and cuDNN, causal bf16, eager") + [
+        "| B, H, T, D | gluon ms | tl ms | cuDNN ms | gluon TFLOP/s | tl TFLOP/s | cuDNN TFLOP/s | gluon / cuDNN | max diff vs tl |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g, t, c = r["gluon"], r["tl"], r["cudnn"]
+        lines.append(f"| {', '.join(map(str, r['shape']))} | {g['fwd_ms']:.3f} | {t['fwd_ms']:.3f} | {c['fwd_ms']:.3f} "
+                     f"| {g['fwd_tflops']:.0f} | {t['fwd_tflops']:.0f} | {c['fwd_tflops']:.0f} "
+                     f"| {c['fwd_ms'] / g['fwd_ms']:.2f}x | {r['max_diff_vs_tl']:.2e} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for dropout.*, first_call.* or gate.* (json, md; gate.csv)")
@@ -406,16 +448,18 @@ def main() -> None:
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gate", action="store_true",
                     help="measure the cost of the forget gate g against none, beside flash-linear-attention")
+    ap.add_argument("--hopper", action="store_true",
+                    help="time the Hopper forward in Gluon against the tl kernel's and cuDNN's (H100/H200)")
     args = ap.parse_args()
     if args.first_call_child is not None:  # one measurement of --first-call, in its own process
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
         return
     modes = [name for name, on in (("--dropout", args.dropout is not None), ("--first-call", args.first_call),
-                                   ("--gate", args.gate)) if on]
+                                   ("--gate", args.gate), ("--hopper", args.hopper)) if on]
     if len(modes) > 1:
         fail(f"{' and '.join(modes)} are separate measurements: pass one of them")
     if not modes:
-        fail("pass one of --dropout P, --first-call, --gate; our kernel against SDPA's kernels is "
+        fail("pass one of --dropout P, --first-call, --gate, --hopper; our kernel against SDPA's kernels is "
              "scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]")
     if args.dropout is not None and not 0 < args.dropout < 1:
         fail(f"--dropout must be in (0, 1), got {args.dropout}")
@@ -441,6 +485,11 @@ def main() -> None:
         meta["chosen_configs"] = chosen_configs()
         records = gate_records(rows)
         emit(args.out, "gate", meta, rows, gate_table(records, meta["fla"], meta), records)
+        return
+    if args.hopper:
+        rows = bench_hopper(shapes, args.warmup, args.rep)
+        meta["chosen_configs"] = chosen_configs()
+        emit(args.out, "hopper", meta, rows, hopper_table(rows, meta))
         return
     if args.dropout is not None:
         rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)

@@ -1,0 +1,93 @@
+"""The Hopper forward in Gluon (kernels/flash_attention/hopper.py).
+
+On CPU: the kernel compiles for sm90a (``GPUTarget("cuda", 90, 32)``; Gluon has no interpreter) at
+every head dim and dtype it takes, and its PTX holds the wgmma and TMA instructions it is written
+with. On an sm90 GPU: o and lse against a float64 reference, bounded by twice the error of the same
+reference computed in the inputs' precision plus an atol, over causal and full attention, GQA, odd
+T and q, k, v read from a packed qkv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.flash_attention import hopper
+from kernels.flash_attention.reference import attention_ref
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict:
+    """{(head dim, dtype, causal): PTX} of every variant, compiled in one child process without
+    TRITON_INTERPRET (which the CPU suite sets, and which turns triton's library into interpreted code)."""
+    variants = [(d, t, c) for d in hopper.HEAD_DIMS for t in ("bf16", "fp16") for c in (True, False)]
+    code = ("import json, sys; from kernels.flash_attention.hopper import compile_for_sm90; "
+            f"print(json.dumps([compile_for_sm90(*v) for v in {variants!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(variants, json.loads(proc.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_kernel_compiles_for_sm90_with_wgmma_and_tma(sm90_ptx, head_dim, dtype, causal):
+    ptx = sm90_ptx[(head_dim, dtype, causal)]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+
+
+def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
+    qkv = torch.randn(2, 5, 3 * 4, 64)
+    q, k, _ = qkv.split([4, 4, 4], dim=2)
+    view = hopper.tma_view(q)
+    assert view.shape == (10, 256) and torch.equal(view.view(2, 5, 4, 64), q)
+    assert torch.equal(hopper.tma_view(k).view(2, 5, 4, 64), k)
+    assert hopper.tma_view(q.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads not adjacent
+    assert hopper.tma_view(torch.randn(1, 5, 4, 65)[..., :64]) is None  # D not the head stride
+    assert hopper.tma_view(torch.randn(5 * 4 * 64 + 1)[1:].view(1, 5, 4, 64)) is None  # base 4 bytes off 16
+
+
+def test_calls_off_the_hopper_path_say_why():
+    q = torch.randn(1, 8, 2, 64)
+    assert "sm90" in hopper.unsupported(q, q, q, 0, None, 0.0, None)
+
+
+def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if packed:
+        qkv = torch.randn(B, T, H + 2 * H_kv, D, device="cuda", dtype=dtype, generator=gen)
+        return qkv.split([H, H_kv, H_kv], dim=2)
+    return tuple(torch.randn(B, T, h, D, device="cuda", dtype=dtype, generator=gen) for h in (H, H_kv, H_kv))
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("B, T, H, H_kv, D, packed", [
+    (2, 256, 4, 4, 64, False), (1, 1000, 4, 2, 128, False), (3, 77, 6, 2, 64, True), (1, 2049, 2, 1, 128, True),
+    (2, 130, 8, 8, 128, False),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_hopper_forward_matches_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal):
+    q, k, v = _inputs(B, T, H, H_kv, D, dtype, packed)
+    assert hopper.unsupported(q, k, v, 0, None, 0.0, None) is None
+    scale = D ** -0.5
+    o, lse = hopper.attn_fwd_sm90(q, k, v, scale, causal)
+    o64, lse64 = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
+    olp, lselp = attention_ref(q, k, v, causal=causal, softmax_scale=scale, compute_dtype=None)
+    for name, out, truth, lowp in (("o", o, o64, olp), ("lse", lse, lse64, lselp)):
+        assert out.shape == truth.shape and torch.isfinite(out).all(), name
+        err = (out.double() - truth.double()).abs().max().item()
+        bound = 2 * (lowp.double() - truth.double()).abs().max().item() + ATOL[dtype]
+        assert err <= bound, f"{name}: max err {err:.3e} > {bound:.3e}"
