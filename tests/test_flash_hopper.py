@@ -1,4 +1,5 @@
-"""The Hopper forward in Gluon (kernels/flash_attention/hopper.py).
+"""The Hopper forward in Gluon (kernels/flash_attention/hopper.py) and the switch that picks it
+(``flash_attn(kernel=...)``, ``attention.kernel``).
 
 On CPU: the kernel compiles for sm90a (``GPUTarget("cuda", 90, 32)``; Gluon has no interpreter) at
 every head dim and dtype it takes, and its PTX holds the wgmma and TMA instructions it is written
@@ -18,8 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.flash_attention import hopper
+from errors import UserError
+from kernels.flash_attention import flash_attn, hopper
 from kernels.flash_attention.reference import attention_ref
+from model.attention import build_attention, check_kernel, validate_attention
+from model.attention.flash import forward_kernel
+from model.config import AttentionConfig
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
@@ -64,6 +69,33 @@ def test_calls_off_the_hopper_path_say_why():
     assert "sm90" in hopper.unsupported(q, q, q, 0, None, 0.0, None)
 
 
+def test_the_kernel_switch_refuses_in_one_line_what_it_cannot_run():
+    q = torch.randn(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="kernel='gluon': the Hopper forward needs an sm90 GPU"):
+        flash_attn(q, q, q, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel='fast' is not one of auto, tl, gluon"):
+        flash_attn(q, q, q, kernel="fast")
+    with pytest.raises(UserError, match="attention.kernel='fast' is not one of auto, tl, gluon"):
+        validate_attention(AttentionConfig(name="flash", kernel="fast"))
+    with pytest.raises(UserError, match="needs attention=flash, not attention=sdpa"):
+        validate_attention(AttentionConfig(name="sdpa", kernel="gluon"))
+    with pytest.raises(UserError, match="cannot run with attention.window=8 yet"):
+        validate_attention(AttentionConfig(name="flash", kernel="gluon", window=8))
+    with pytest.raises(UserError, match="cannot run with model.gate=forget yet"):
+        check_kernel(AttentionConfig(name="flash", kernel="gluon"), {"gate": "model.gate=forget"})
+    check_kernel(AttentionConfig(name="flash", kernel="tl"), {"gate": "model.gate=forget"})
+
+
+def test_a_forced_gluon_forward_is_refused_off_the_gpu_instead_of_falling_back():
+    with pytest.raises(UserError, match="attention.kernel=gluon runs flash's Hopper forward on an H100/H200: "):
+        build_attention(AttentionConfig(name="flash", kernel="gluon"), torch.device("cpu"))
+
+
+def test_auto_runs_the_tl_kernel_off_hopper():
+    assert forward_kernel("auto", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
+    assert forward_kernel("tl", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
+
+
 def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     if packed:
@@ -91,3 +123,20 @@ def test_the_hopper_forward_matches_a_float64_reference_cuda(B, T, H, H_kv, D, p
         err = (out.double() - truth.double()).abs().max().item()
         bound = 2 * (lowp.double() - truth.double()).abs().max().item() + ATOL[dtype]
         assert err <= bound, f"{name}: max err {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_attn_takes_the_gluon_forward_and_the_tl_backward_cuda(causal):
+    """kernel="gluon" (and "auto" here) run the Hopper forward; the gradients, from the tl backward
+    over the Gluon forward's o and lse, match those of kernel="tl" to bf16 rounding."""
+    q, k, v = (x.requires_grad_() for x in _inputs(2, 300, 4, 2, 128, torch.bfloat16, False))
+    do = torch.randn_like(q)
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, False) == "gluon"
+    results = {}
+    for kernel in ("gluon", "auto", "tl"):
+        o = flash_attn(q, k, v, causal=causal, kernel=kernel)
+        results[kernel] = (o, *torch.autograd.grad(o, (q, k, v), do))
+    assert all(torch.equal(a, b) for a, b in zip(results["gluon"], results["auto"]))
+    for a, b in zip(results["gluon"], results["tl"]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2

@@ -24,6 +24,8 @@ gate: those calls run on the ``tl`` kernel (forward.py).
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -161,11 +163,18 @@ def tma_view(x):
     return x.as_strided((B * T, H * D), (row, 1))
 
 
+@functools.lru_cache(maxsize=None)
+def is_sm90(device_index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | None:
     """Why this call cannot run on the Hopper forward (None: it can)."""
     import torch
 
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9):
+    if not (q.is_cuda and is_sm90(q.device.index or 0)):
         return "needs an sm90 GPU (H100/H200)"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"takes fp16/bf16, not {q.dtype}"
