@@ -47,10 +47,10 @@ def sm90_ptx() -> dict:
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_the_kernel_compiles_for_sm90_with_wgmma_and_tma(sm90_ptx, head_dim, dtype, causal):
+def test_the_kernel_compiles_for_sm90_with_wgmma_tma_and_a_cta_barrier(sm90_ptx, head_dim, dtype, causal):
     ptx = sm90_ptx[(head_dim, dtype, causal)]
     assert ".target sm_90a" in ptx
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "bar.sync" in ptx
 
 
 def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():

@@ -3,7 +3,8 @@
 One program computes ``BLOCK_M`` query rows of one (batch, query head) pair with ``num_warps`` warps
 (two warpgroups at BLOCK_M = 128). Q's tile is loaded once by TMA; K and V stream through a ring of
 ``STAGES`` shared-memory slots, each with its mbarrier: the load of key block j + 1 is issued before
-block j is used, so the copy overlaps block j's matmuls and softmax. For each key block:
+block j is used (after a CTA barrier, so that no warpgroup still reads the slot it overwrites), so
+the copy overlaps block j's matmuls and softmax. For each key block:
 
     S = Q K^T                 wgmma, both operands in shared memory, fp32 accumulator (B operand K
                               read transposed through a permuted view)
@@ -32,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton >= 3.7 | 3.6
 
 
 @gluon.jit
@@ -86,6 +88,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
     mbarrier.wait(q_bar, phase=0)
     for j in range(n_blocks):
         stage = j % STAGES
+        # Every warp has waited for its wgmmas of block j - 1 before any thread issues the copy into
+        # the slot they read (one thread issues a TMA copy; the two warpgroups run unsynchronised).
+        cta_barrier()
         if j + 1 < n_blocks:  # the next block's slot was last read by block j + 1 - STAGES, finished
             nxt = (j + 1) % STAGES
             mbarrier.expect(kv_bars.index(nxt), kv_bytes)
