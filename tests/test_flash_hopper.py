@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from errors import UserError
-from kernels.flash_attention import flash_attn, hopper
+from kernels.flash_attention import flash_attn, flash_attn_qkvpacked, hopper
 from kernels.flash_attention.reference import attention_ref
 from model.attention import build_attention, check_kernel, validate_attention
 from model.attention.flash import forward_kernel
@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def sm90_ptx() -> dict:
-    """{(head dim, dtype, causal): PTX} of every variant, compiled in one child process without
+    """{(kernel, head dim, dtype, causal): PTX} of every variant, compiled in one child process without
     TRITON_INTERPRET (which the CPU suite sets, and which turns triton's library into interpreted code)."""
-    variants = [(d, t, c) for d in hopper.HEAD_DIMS for t in ("bf16", "fp16") for c in (True, False)]
+    variants = [(k, d, t, c) for k in ("fwd", "bwd") for d in hopper.HEAD_DIMS for t in ("bf16", "fp16")
+                for c in (True, False)]
     code = ("import json, sys; from kernels.flash_attention.hopper import compile_for_sm90; "
             f"print(json.dumps([compile_for_sm90(*v) for v in {variants!r}]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -44,11 +45,12 @@ def sm90_ptx() -> dict:
     return dict(zip(variants, json.loads(proc.stdout.splitlines()[-1])))
 
 
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_the_kernel_compiles_for_sm90_with_wgmma_tma_and_a_cta_barrier(sm90_ptx, head_dim, dtype, causal):
-    ptx = sm90_ptx[(head_dim, dtype, causal)]
+def test_the_kernels_compile_for_sm90_with_wgmma_tma_and_a_cta_barrier(sm90_ptx, kernel, head_dim, dtype, causal):
+    ptx = sm90_ptx[(kernel, head_dim, dtype, causal)]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "bar.sync" in ptx
 
@@ -104,6 +106,10 @@ def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
     return tuple(torch.randn(B, T, h, D, device="cuda", dtype=dtype, generator=gen) for h in (H, H_kv, H_kv))
 
 
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
 @pytest.mark.parametrize("B, T, H, H_kv, D, packed", [
     (2, 256, 4, 4, 64, False), (1, 1000, 4, 2, 128, False), (3, 77, 6, 2, 64, True), (1, 2049, 2, 1, 128, True),
@@ -111,25 +117,36 @@ def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_the_hopper_forward_matches_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal):
+def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal):
+    """o and lse of the forward (bound: 2x the error of the reference computed in the inputs'
+    precision, plus an atol), dq, dk, dv of the backward (3x, as the tl kernel's tests)."""
     q, k, v = _inputs(B, T, H, H_kv, D, dtype, packed)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=dtype)
     assert hopper.unsupported(q, k, v, 0, None, 0.0, None) is None
     scale = D ** -0.5
     o, lse = hopper.attn_fwd_sm90(q, k, v, scale, causal)
-    o64, lse64 = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
-    olp, lselp = attention_ref(q, k, v, causal=causal, softmax_scale=scale, compute_dtype=None)
-    for name, out, truth, lowp in (("o", o, o64, olp), ("lse", lse, lse64, lselp)):
-        assert out.shape == truth.shape and torch.isfinite(out).all(), name
-        err = (out.double() - truth.double()).abs().max().item()
-        bound = 2 * (lowp.double() - truth.double()).abs().max().item() + ATOL[dtype]
-        assert err <= bound, f"{name}: max err {err:.3e} > {bound:.3e}"
+    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal)
+
+    def reference(compute_dtype):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o_ref, lse_ref = attention_ref(*ins, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+        return (o_ref, lse_ref, *torch.autograd.grad(o_ref, ins, do.to(o_ref.dtype)))
+
+    truth, low = reference(torch.float64), reference(None)
+    failures = []
+    for i, (name, out, factor) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), (2, 2, 3, 3, 3))):
+        assert out.shape == truth[i].shape, name
+        err, bound = _max_err(out, truth[i]), factor * _max_err(low[i], truth[i]) + ATOL[dtype]
+        if not torch.isfinite(out).all() or err > bound:
+            failures.append(f"{name}: max err {err:.3e} > {bound:.3e}")
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_flash_attn_takes_the_gluon_forward_and_the_tl_backward_cuda(causal):
-    """kernel="gluon" (and "auto" here) run the Hopper forward; the gradients, from the tl backward
-    over the Gluon forward's o and lse, match those of kernel="tl" to bf16 rounding."""
+def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(causal):
+    """kernel="gluon" (and "auto" here) run the Hopper kernels, packed or not; output and gradients
+    match those of kernel="tl" to bf16 rounding."""
     q, k, v = (x.requires_grad_() for x in _inputs(2, 300, 4, 2, 128, torch.bfloat16, False))
     do = torch.randn_like(q)
     assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, False) == "gluon"
@@ -140,3 +157,7 @@ def test_flash_attn_takes_the_gluon_forward_and_the_tl_backward_cuda(causal):
     assert all(torch.equal(a, b) for a, b in zip(results["gluon"], results["auto"]))
     for a, b in zip(results["gluon"], results["tl"]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2
+    qkv = torch.cat([q, k, v], dim=2).detach().requires_grad_()
+    packed = {kernel: flash_attn_qkvpacked(qkv, 4, causal=causal, kernel=kernel) for kernel in ("gluon", "tl")}
+    dqkv = {kernel: torch.autograd.grad(o, qkv, do)[0] for kernel, o in packed.items()}
+    assert (dqkv["gluon"].float() - dqkv["tl"].float()).abs().max().item() <= 2e-2 * dqkv["tl"].float().abs().max().item() + 1e-2

@@ -10,10 +10,11 @@
   returns qkv's gradient as one tensor (dk, dv None), so nothing concatenates dq, dk and dv.
 - Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
   ``flash_attn_interface.py`` is built the same way).
-- Forward kernel (``kernel=``): ``auto`` runs the Gluon forward for sm90 (``hopper.py``) on calls it
-  takes (an H100/H200, fp16/bf16, D 64 or 128, no window, documents, dropout or gate) and the ``tl``
-  kernel on all others; ``tl`` and ``gluon`` force one (``gluon`` refuses a call it cannot take). The
-  backward is the ``tl`` kernels' either way.
+- Kernels (``kernel=``): ``auto`` runs the Gluon kernels for sm90 (``hopper.py``) on calls they
+  take (an H100/H200, fp16/bf16, D 64 or 128, no window, documents, dropout or gate; for the
+  backward also no gradient of lse) and the ``tl`` kernels on all others; ``tl`` and ``gluon`` force
+  one (``gluon`` refuses a call it cannot take; a backward it cannot take, with a gradient of lse,
+  runs on the ``tl`` kernels).
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
   them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
   binary Triton picked for an earlier call with the same arguments: ``launch.py``).
@@ -100,7 +101,12 @@ def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, options):
 def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
     qkv, None, None and dg."""
-    n_head, max_seqlen, softmax_scale, causal, window, dropout_p, _ = unpack(options)
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
+    if kernel != "tl" and dlse is None:
+        qkv_views = split_qkv(q, n_head) if k is None else (q, k, v)
+        if not hopper_refusal(*qkv_views, window, cu_seqlens, dropout_p, g):
+            dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, *qkv_views, o, lse, softmax_scale, causal)
+            return (torch.cat([dq, dk, dv], dim=2), None, None, None) if k is None else (dq, dk, dv, None)
     if k is None:
         dqkv = q.new_empty(q.shape)
         _, _, _, dg = attn_bwd(do, *split_qkv(q, n_head), o, lse, softmax_scale, causal, window, cu_seqlens,

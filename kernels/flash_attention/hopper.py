@@ -29,10 +29,12 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton >= 3.7 | 3.6
 
 
@@ -132,10 +134,125 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
     gl.store(o_ptr + o_offsets, out.to(dtype), mask=(rows < T)[:, None])
 
 
-def compile_for_sm90(head_dim: int, dtype: str, causal: bool) -> str:
-    """The PTX of the kernel compiled for sm90a at the launch's tiles, without a GPU (Gluon has no
-    interpreter: this is how a CPU checks it). dtype: "bf16" or "fp16". Needs TRITON_INTERPRET unset
-    when triton was imported (its library functions are interpreted otherwise)."""
+@gluon.jit
+def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, T, H, GROUP,
+                   sm_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of BLOCK_N keys of one (batch, KV head), summed over the group's query heads, and
+    their share of dQ, added atomically into the fp32 dq (B, T, H, D). Transposed tiles: the keys
+    are the rows (M) of every matmul, so the dK/dV accumulators stay in registers (see
+    ``attn_bwd_sm90``)."""
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)  # b * H_kv + kv head
+    H_KV = H // GROUP
+    batch = pid_bkv // H_KV
+    kv_head = pid_bkv % H_KV
+    k_start = pid_n * BLOCK_N
+    row0 = batch * T
+
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])  # (keys, D)
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                       instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    t_keys: gl.constexpr = gl.SliceLayout(1, t_layout)
+    t_queries: gl.constexpr = gl.SliceLayout(0, t_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    # the (query head, query block) pairs this key block meets, in one sequence of n_steps
+    if IS_CAUSAL:
+        first_m = k_start // BLOCK_M
+    else:
+        first_m = 0
+    m_blocks = gl.cdiv(T, BLOCK_M) - first_m
+    n_steps = GROUP * m_blocks
+    qd_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    mbarrier.expect(bars.index(0), qd_bytes)
+    tma.async_copy_global_to_shared(q_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+                                    q_smem.index(0))
+    tma.async_copy_global_to_shared(do_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+                                    do_smem.index(0))
+
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=t_keys)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    t_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_layout)
+    q_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=q_layout)
+    qk_scale = sm_scale * 1.4426950408889634
+    mbarrier.wait(kv_bar, phase=0)
+    for i in range(n_steps):
+        stage = i % STAGES
+        head = kv_head * GROUP + i // m_blocks
+        q_start = (first_m + i % m_blocks) * BLOCK_M
+        cta_barrier()  # no warp still reads the slot the next copy fills, nor ds_smem
+        if i + 1 < n_steps:
+            nxt = (i + 1) % STAGES
+            next_head = kv_head * GROUP + (i + 1) // m_blocks
+            next_row = row0 + (first_m + (i + 1) % m_blocks) * BLOCK_M
+            mbarrier.expect(bars.index(nxt), qd_bytes)
+            tma.async_copy_global_to_shared(q_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt), q_smem.index(nxt))
+            tma.async_copy_global_to_shared(do_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt),
+                                            do_smem.index(nxt))
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
+        in_seq = offs_q < T
+        lse2 = gl.load(lse_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0) * 1.4426950408889634
+        delta = gl.load(delta_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0)
+        mbarrier.wait(bars.index(stage), phase=(i // STAGES) & 1)
+
+        st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        keep = in_seq[None, :] & (offs_k[:, None] < T)
+        if IS_CAUSAL:
+            keep = keep & (offs_q[None, :] >= offs_k[:, None])
+        pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(stage), dv, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dv, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dpt))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_smem.index(stage), dk, is_async=True)
+        ds_smem.store(dst)
+        fence_async_shared()
+        cta_barrier()  # every warp's part of dS^T is in shared memory before the dQ matmul reads it
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, q_zero, use_acc=False, is_async=True)
+        dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        dq_offsets = ((row0 + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
+        gl.atomic_add(dq_ptr + dq_offsets, dq * sm_scale, mask=(rows < T)[:, None])
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    rows = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    kv_offsets = ((row0 + rows) * H_KV + kv_head)[:, None] * HEAD_DIM + cols[None, :]
+    kv_mask = (rows < T)[:, None]
+    gl.store(dk_ptr + kv_offsets, (dk * sm_scale).to(dtype), mask=kv_mask)
+    gl.store(dv_ptr + kv_offsets, dv.to(dtype), mask=kv_mask)
+
+
+def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
+    """The PTX of the forward (kernel "fwd") or backward ("bwd") compiled for sm90a at the launch's
+    tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
+    "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library functions are
+    interpreted otherwise)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -146,12 +263,23 @@ def compile_for_sm90(head_dim: int, dtype: str, causal: bool) -> str:
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
         return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
-    constexprs = {"IS_CAUSAL": causal, "BLOCK_M": 128, "BLOCK_N": 128, "HEAD_DIM": head_dim, "STAGES": 2,
+    if kernel == "fwd":
+        fn, rows_q, rows_kv = _attn_fwd_sm90, 128, 128
+        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
+        scalars = {"qk_scale": "fp32"}
+    else:
+        fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
+        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
+                    "dv_ptr": f"*{dtype}"}
+        scalars = {"sm_scale": "fp32"}
+    descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
+    if kernel == "bwd":
+        descriptors["do_desc"] = descriptor(rows_q)
+    constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
                   "num_warps": 8}
-    signature = {"q_desc": descriptor(128), "k_desc": descriptor(128), "v_desc": descriptor(128), "o_ptr": f"*{dtype}",
-                 "lse_ptr": "*fp32", "T": "i32", "H": "i32", "GROUP": "i32", "qk_scale": "fp32",
+    signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
-    source = GluonASTSource(_attn_fwd_sm90, signature, constexprs)
+    source = GluonASTSource(fn, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
 
 
@@ -218,3 +346,32 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 12
                          num_warps=8)
     return o, lse
 
+
+
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
+    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
+    contiguous, in q's dtype. delta = rowsum(dO * O) and the fp32 dq the kernel adds into are made
+    here (torch); lse: (B, H, T) float32, natural log, as the forward wrote it."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    dk, dv = k.new_empty((B, T, H_kv, D)), v.new_empty((B, T, H_kv, D))
+    dq = torch.zeros((B, T, H, D), device=q.device, dtype=torch.float32)
+    if B * T == 0:
+        return dq.to(q.dtype), dk, dv
+    do = do if tma_view(do) is not None else do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(x, rows):
+        view = tma_view(x)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], element)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+
+    grid = (-(-T // BWD_BLOCK_N), B * H_kv)
+    _attn_bwd_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_BLOCK_N), descriptor(v, BWD_BLOCK_N),
+                         descriptor(do, BWD_BLOCK_M), lse.contiguous(), delta, dq, dk, dv, T, H, H // H_kv,
+                         softmax_scale, bool(causal), BWD_BLOCK_M, BWD_BLOCK_N, D, 2, num_warps=8)
+    return dq.to(q.dtype), dk, dv
