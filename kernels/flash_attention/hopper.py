@@ -320,12 +320,21 @@ def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | 
     return None
 
 
+def descriptor(x, rows: int):
+    """The TMA descriptor of x's 2-D view (:func:`tma_view`) in tiles of ``rows`` x D."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    view, D = tma_view(x), x.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+
+
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 128, stages: int = 2):
     """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
     q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
     (B, H, T) float32, natural log."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, T, H, D = q.shape
     o = q.new_empty((B, T, H, D))
@@ -333,13 +342,6 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 12
     if B * T == 0:
         return o, lse
     block_m = 128
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, rows):
-        view = tma_view(x)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], element)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
-
     grid = (-(-T // block_m), B * H)
     _attn_fwd_sm90[grid](descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), o, lse, T, H,
                          H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_m, block_n, D, stages,
@@ -353,7 +355,6 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
     contiguous, in q's dtype. delta = rowsum(dO * O) and the fp32 dq the kernel adds into are made
     here (torch); lse: (B, H, T) float32, natural log, as the forward wrote it."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, T, H, D = q.shape
     H_kv = k.shape[2]
@@ -363,12 +364,6 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
         return dq.to(q.dtype), dk, dv
     do = do if tma_view(do) is not None else do.contiguous()
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
-    element = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, rows):
-        view = tma_view(x)
-        layout = gl.NVMMASharedLayout.get_default_for([rows, D], element)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
 
     grid = (-(-T // BWD_BLOCK_N), B * H_kv)
     _attn_bwd_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_BLOCK_N), descriptor(v, BWD_BLOCK_N),
