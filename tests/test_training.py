@@ -177,3 +177,14 @@ def test_gpu_profile_says_how_much_communication_ran_under_other_kernels(tmp_pat
     text = report({"ncclDevKernel_SendRecv": 100.0, "_attn_fwd_kernel": 60.0}, 0.001, 1, torch.device("cpu"), (1, 1),
                   (100.0, 80.0))
     assert "Communication kernels: 0.10 ms per step, 0.08 ms of it (80%) while other kernels ran" in text
+
+
+def test_the_profile_lists_kernels_until_they_hold_most_of_the_time():
+    from training.profiling import LISTED_SHARE, MAX_LISTED, longest_first
+
+    times = {f"k{i}": 100.0 for i in range(5)} | {f"small{i}": 1.0 for i in range(100)}
+    listed = longest_first(times)
+    assert [name for name, _ in listed[:5]] == [f"k{i}" for i in range(5)]
+    assert len(listed) == 75 and sum(us for _, us in listed) == LISTED_SHARE * sum(times.values())
+    assert len(longest_first({f"k{i}": 1.0 for i in range(500)})) == MAX_LISTED
+    assert len(longest_first({f"k{i}": 1.0 for i in range(5)})) == 5

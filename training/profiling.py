@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 
 WARMUP_STEPS = 10  # steps after the (re)start before recording: compilation, autotuning, allocator warm-up
+LISTED_SHARE, MAX_LISTED = 0.95, 80  # profile.md lists the longest kernels until they hold 95 % of the time
 
 # Kind of work -> substrings of kernel (GPU) or operator (CPU) names, matched lowercase, first match wins.
 CATEGORIES = (
@@ -174,11 +175,25 @@ def report(times_us: dict, wall_s: float, steps: int, device: torch.device, wind
         total, hidden = communication
         lines += ["", f"Communication kernels: {per_step(total):.2f} ms per step, {per_step(hidden):.2f} ms of it "
                       f"({hidden / total:.0%}) while other kernels ran (hidden under computation)."]
-    lines += ["", f"Longest {unit}s:", "", f"| {unit} | kind | ms per step |", "|---|---|---|"]
-    for name, us in sorted(times_us.items(), key=lambda kv: -kv[1])[:20]:
+    longest = longest_first(times_us)
+    lines += ["", f"Longest {unit}s, together {sum(us for _, us in longest) / busy_us:.0%} of the time:", "",
+              f"| {unit} | kind | ms per step |", "|---|---|---|"]
+    for name, us in longest:
         short = name.replace("|", "/")[:100]
         lines.append(f"| `{short}` | {category(name)} | {per_step(us):.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def longest_first(times_us: dict) -> List[tuple]:
+    """(name, us) longest first, until they hold LISTED_SHARE of the time (at least 20, at most MAX_LISTED)."""
+    ranked = sorted(times_us.items(), key=lambda kv: -kv[1])
+    total, listed, covered = sum(times_us.values()), [], 0.0
+    for name, us in ranked[:MAX_LISTED]:
+        if len(listed) >= 20 and covered >= LISTED_SHARE * total:
+            break
+        listed.append((name, us))
+        covered += us
+    return listed
 
 
 def device_name(device: torch.device) -> str:
