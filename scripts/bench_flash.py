@@ -1,6 +1,6 @@
 """Measurements of our flash kernel that no other backend shares: the cost of attention dropout
 (``--dropout P``), the first call at a new shape (``--first-call``), the cost of the forget gate
-(``--gate``) and the Hopper forward in Gluon against the ``tl`` kernel's (``--hopper``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
+(``--gate``) and the Hopper kernels in Gluon against the ``tl`` kernels (``--hopper``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
 ``scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]``.
 
 Times are medians of ``triton.testing.do_bench``; TFLOP/s count causal forward flops as 2*B*H*T^2*D
@@ -33,10 +33,10 @@ compared with ours. Writes gate.json, gate.md and gate.csv.
 
     python -m scripts.bench_flash --gate --out OUTDIR
 
-``--hopper`` times the forward alone, causal, bf16, eager: the Gluon kernel for sm90
-(``kernels/flash_attention/hopper.py``), the ``tl`` kernel's launch function and SDPA's cuDNN
-kernel, with the largest difference between the two kernels' outputs. Writes hopper.json and
-hopper.md; needs an H100/H200.
+``--hopper`` times forward and forward+backward, causal, bf16, eager, through ``flash_attn`` with
+``kernel="gluon"`` (the Gluon kernels for sm90, ``kernels/flash_attention/hopper.py``) and
+``kernel="tl"``, and SDPA's cuDNN kernel, with the largest difference between the two kernels' o,
+dq, dk, dv. Writes hopper.json and hopper.md; needs an H100/H200.
 
     python -m scripts.bench_flash --hopper --out OUTDIR
 
@@ -401,37 +401,42 @@ def chosen_configs() -> dict:
 
 
 def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
-    """Per shape: forward ms and TFLOP/s of the Gluon kernel, the tl kernel and cuDNN; max |o_gluon - o_tl|."""
-    from kernels.flash_attention import hopper
-    from kernels.flash_attention.forward import attn_fwd
+    """Per shape: forward and forward+backward ms and TFLOP/s of flash_attn with kernel="gluon" and
+    kernel="tl", and cuDNN's; the largest difference between the two kernels' o, dq, dk, dv."""
+    from kernels.flash_attention import flash_attn, hopper
 
     cudnn = forced_sdpa("CUDNN_ATTENTION", heads_first=False)
     rows = []
     for B, H, T, D in shapes:
-        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         why = hopper.unsupported(q, k, v, 0, None, 0.0, None)
         if why:
-            fail(f"--hopper at {(B, H, T, D)}: the Hopper forward {why}")
-        forwards = {"gluon": lambda: hopper.attn_fwd_sm90(q, k, v, D ** -0.5, True),
-                    "tl": lambda: attn_fwd(q, k, v, D ** -0.5, True), "cudnn": lambda: cudnn(q, k, v)}
-        difference = (forwards["gluon"]()[0].float() - forwards["tl"]()[0].float()).abs().max().item()
+            fail(f"--hopper at {(B, H, T, D)}: the Hopper kernels {why}")
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        calls = {"gluon": lambda q, k, v: flash_attn(q, k, v, kernel="gluon"),
+                 "tl": lambda q, k, v: flash_attn(q, k, v, kernel="tl"), "cudnn": cudnn}
+        outputs = {}
+        for name in ("gluon", "tl"):
+            o = calls[name](q, k, v)
+            outputs[name] = (o, *torch.autograd.grad(o, (q, k, v), do))
+        difference = max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs["gluon"], outputs["tl"]))
         row = {"shape": [B, H, T, D], "max_diff_vs_tl": difference}
-        for name, fn in forwards.items():
-            ms = median_ms(fn, CUDA, warmup, rep)
-            row[name] = {"fwd_ms": ms, "fwd_tflops": tflops(causal_flops(B, H, T, D, backward=False), ms)}
+        for name, fn in calls.items():
+            row[name] = time_calls(fn, q, k, v, do, (B, H, T, D), warmup, rep)
         rows.append(row)
     return rows
 
 
 def hopper_table(rows: list[dict], meta: dict) -> str:
-    lines = table_header(meta, "Hopper forward (Gluon) against the tl kernel and cuDNN, causal bf16, eager") + [
-        "| B, H, T, D | gluon ms | tl ms | cuDNN ms | gluon TFLOP/s | tl TFLOP/s | cuDNN TFLOP/s | gluon / cuDNN | max diff vs tl |",
-        "|---|---|---|---|---|---|---|---|---|"]
+    lines = table_header(meta, "Hopper kernels (Gluon) against the tl kernels and cuDNN, causal bf16, eager") + [
+        "| B, H, T, D | pass | gluon ms | tl ms | cuDNN ms | gluon TFLOP/s | tl TFLOP/s | cuDNN TFLOP/s "
+        "| gluon / cuDNN | max diff vs tl |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        g, t, c = r["gluon"], r["tl"], r["cudnn"]
-        lines.append(f"| {', '.join(map(str, r['shape']))} | {g['fwd_ms']:.3f} | {t['fwd_ms']:.3f} | {c['fwd_ms']:.3f} "
-                     f"| {g['fwd_tflops']:.0f} | {t['fwd_tflops']:.0f} | {c['fwd_tflops']:.0f} "
-                     f"| {c['fwd_ms'] / g['fwd_ms']:.2f}x | {r['max_diff_vs_tl']:.2e} |")
+        for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwd_bwd")):
+            g, t, c = (r[name][f"{key}_ms"] for name in ("gluon", "tl", "cudnn"))
+            rates = " | ".join(f"{r[name][f'{key}_tflops']:.0f}" for name in ("gluon", "tl", "cudnn"))
+            lines.append(f"| {', '.join(map(str, r['shape']))} | {label} | {g:.3f} | {t:.3f} | {c:.3f} | {rates} "
+                         f"| {c / g:.2f}x | {r['max_diff_vs_tl']:.2e} |")
     return "\n".join(lines)
 
 
@@ -449,7 +454,7 @@ def main() -> None:
     ap.add_argument("--gate", action="store_true",
                     help="measure the cost of the forget gate g against none, beside flash-linear-attention")
     ap.add_argument("--hopper", action="store_true",
-                    help="time the Hopper forward in Gluon against the tl kernel's and cuDNN's (H100/H200)")
+                    help="time the Hopper kernels in Gluon against the tl kernels and cuDNN (H100/H200)")
     args = ap.parse_args()
     if args.first_call_child is not None:  # one measurement of --first-call, in its own process
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
