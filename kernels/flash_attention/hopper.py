@@ -35,7 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
-cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # triton >= 3.7 | 3.6
+# Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
+# (async_copy_global_to_shared until 3.8, removed in 3.9).
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -70,12 +73,12 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
         mbarrier.init(kv_bars.index(i), count=1)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch * T + q_start, head * HEAD_DIM], q_bar, q_smem)
+    tma_load(q_desc, [batch * T + q_start, head * HEAD_DIM], q_bar, q_smem)
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     kv_row = batch * T
     mbarrier.expect(kv_bars.index(0), kv_bytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bars.index(0), k_smem.index(0))
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bars.index(0), v_smem.index(0))
+    tma_load(k_desc, [kv_row, kv_col], kv_bars.index(0), k_smem.index(0))
+    tma_load(v_desc, [kv_row, kv_col], kv_bars.index(0), v_smem.index(0))
 
     offs_m = q_start + gl.arange(0, BLOCK_M, layout=s_rows)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
@@ -96,9 +99,9 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
         if j + 1 < n_blocks:  # the next block's slot was last read by block j + 1 - STAGES, finished
             nxt = (j + 1) % STAGES
             mbarrier.expect(kv_bars.index(nxt), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
+            tma_load(k_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
                                             k_smem.index(nxt))
-            tma.async_copy_global_to_shared(v_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
+            tma_load(v_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
                                             v_smem.index(nxt))
         mbarrier.wait(kv_bars.index(stage), phase=(j // STAGES) & 1)
 
@@ -173,8 +176,8 @@ def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+    tma_load(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma_load(v_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
 
     # the (query head, query block) pairs this key block meets, in one sequence of n_steps
     if IS_CAUSAL:
@@ -185,9 +188,9 @@ def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
     n_steps = GROUP * m_blocks
     qd_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     mbarrier.expect(bars.index(0), qd_bytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+    tma_load(q_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
                                     q_smem.index(0))
-    tma.async_copy_global_to_shared(do_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+    tma_load(do_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
                                     do_smem.index(0))
 
     offs_k = k_start + gl.arange(0, BLOCK_N, layout=t_keys)
@@ -207,8 +210,8 @@ def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
             next_head = kv_head * GROUP + (i + 1) // m_blocks
             next_row = row0 + (first_m + (i + 1) % m_blocks) * BLOCK_M
             mbarrier.expect(bars.index(nxt), qd_bytes)
-            tma.async_copy_global_to_shared(q_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt), q_smem.index(nxt))
-            tma.async_copy_global_to_shared(do_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt),
+            tma_load(q_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt), q_smem.index(nxt))
+            tma_load(do_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt),
                                             do_smem.index(nxt))
         offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
         in_seq = offs_q < T
