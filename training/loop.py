@@ -50,7 +50,9 @@ def train(cfg: TrainConfig, run_dir: Path, record: Optional[Dict[str, str]] = No
             write_record(run.run_dir, cfg, record)
         with contextlib.closing(run.logger):
             loss, val_loss, elapsed = train_loop(run, clock)
-        return summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
+        result = summary(run, t.max_steps, loss, val_loss, elapsed, write_sample(run))
+        distributed.barrier()  # the ranks tear the process group down together: gloo can abort a rank that leaves first
+        return result
     finally:
         if lock is not None:
             lock.release()
