@@ -66,7 +66,7 @@ sample() {  # sample FILE NAME OPTIONS START...: python START... (how sample.py 
 }
 # sample.py with cuDNN taken out of SDPA's choices (its prefill then runs FlashAttention-2): cuDNN builds an
 # execution plan at the first call of each shape in a process, which the prefill's --timings line includes.
-NO_CUDNN="import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'scripts/sample.py'; \
+NO_CUDNN="import runpy, torch; torch.backends.cuda.enable_cudnn_sdp(False); \
 runpy.run_module('scripts.sample', run_name='__main__', alter_sys=True)"
 
 { echo "decode_round $(date -u +%FT%TZ), commit ${NANOFLASH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo ?)}"

@@ -21,7 +21,8 @@ from typing import List, Optional, Tuple
 import torch
 
 WARMUP_STEPS = 10  # steps after the (re)start before recording: compilation, autotuning, allocator warm-up
-LISTED_SHARE, MAX_LISTED = 0.95, 80  # profile.md lists the longest kernels until they hold 95 % of the time
+# profile.md lists the longest kernels until they hold LISTED_SHARE of the time, MIN_LISTED to MAX_LISTED of them
+LISTED_SHARE, MIN_LISTED, MAX_LISTED = 0.95, 20, 80
 
 # Kind of work -> substrings of kernel (GPU) or operator (CPU) names, matched lowercase, first match wins.
 CATEGORIES = (
@@ -185,11 +186,11 @@ def report(times_us: dict, wall_s: float, steps: int, device: torch.device, wind
 
 
 def longest_first(times_us: dict) -> List[tuple]:
-    """(name, us) longest first, until they hold LISTED_SHARE of the time (at least 20, at most MAX_LISTED)."""
+    """(name, us) longest first, until they hold LISTED_SHARE of the time (MIN_LISTED to MAX_LISTED of them)."""
     ranked = sorted(times_us.items(), key=lambda kv: -kv[1])
     total, listed, covered = sum(times_us.values()), [], 0.0
     for name, us in ranked[:MAX_LISTED]:
-        if len(listed) >= 20 and covered >= LISTED_SHARE * total:
+        if len(listed) >= MIN_LISTED and covered >= LISTED_SHARE * total:
             break
         listed.append((name, us))
         covered += us
