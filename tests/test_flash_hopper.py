@@ -73,8 +73,9 @@ def test_calls_off_the_hopper_path_say_why():
 
 def test_the_kernel_switch_refuses_in_one_line_what_it_cannot_run():
     q = torch.randn(1, 8, 2, 64)
-    with pytest.raises(ValueError, match="kernel='gluon': the Hopper forward needs an sm90 GPU"):
-        flash_attn(q, q, q, kernel="gluon")
+    if not torch.cuda.is_available():  # with CUDA, CPU tensors are refused before the kernel is picked
+        with pytest.raises(ValueError, match="kernel='gluon': the Hopper forward needs an sm90 GPU"):
+            flash_attn(q, q, q, kernel="gluon")
     with pytest.raises(ValueError, match="kernel='fast' is not one of auto, tl, gluon"):
         flash_attn(q, q, q, kernel="fast")
     with pytest.raises(UserError, match="attention.kernel='fast' is not one of auto, tl, gluon"):
@@ -154,7 +155,9 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
     for kernel in ("gluon", "auto", "tl"):
         o = flash_attn(q, k, v, causal=causal, kernel=kernel)
         results[kernel] = (o, *torch.autograd.grad(o, (q, k, v), do))
-    assert all(torch.equal(a, b) for a, b in zip(results["gluon"], results["auto"]))
+    (o_g, dq_g, dk_g, dv_g), (o_a, dq_a, dk_a, dv_a) = results["gluon"], results["auto"]
+    assert torch.equal(o_g, o_a) and torch.equal(dk_g, dk_a) and torch.equal(dv_g, dv_a)
+    assert (dq_g.float() - dq_a.float()).abs().max().item() <= 1e-2 * dq_a.float().abs().max().item()  # atomics' order
     for a, b in zip(results["gluon"], results["tl"]):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2
     qkv = torch.cat([q, k, v], dim=2).detach().requires_grad_()

@@ -1,18 +1,23 @@
-"""Flash-attention forward for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
+"""Flash attention for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
 
-One program computes ``BLOCK_M`` query rows of one (batch, query head) pair with ``num_warps`` warps
-(two warpgroups at BLOCK_M = 128). Q's tile is loaded once by TMA; K and V stream through a ring of
-``STAGES`` shared-memory slots, each with its mbarrier: the load of key block j + 1 is issued before
-block j is used (after a CTA barrier, so that no warpgroup still reads the slot it overwrites), so
-the copy overlaps block j's matmuls and softmax. For each key block:
+**Forward.** One program computes ``BLOCK_M`` query rows of one (batch, query head) pair with
+``num_warps`` warps (two warpgroups at BLOCK_M = 128). Q's tile is loaded once by TMA; K and V stream
+through two rings of ``STAGES`` shared-memory slots, each slot with its mbarrier. Per key block j,
+FlashAttention-3's overlap within a warpgroup:
 
-    S = Q K^T                 wgmma, both operands in shared memory, fp32 accumulator (B operand K
-                              read transposed through a permuted view)
-    S *= scale * log2(e)      then the causal and sequence-end masks (-inf)
-    m' = max(m, rowmax S),  P = exp2(S - m'),  l = l * exp2(m - m') + rowsum P
-    O = O * exp2(m - m') + P V   wgmma, P from registers (its dot-operand layout), V in shared memory
+    issue S_j = Q K_j^T             wgmma, both operands in shared memory, fp32 accumulator
+    O = O * alpha_{j-1}             (no wgmma writes O now)
+    issue O += P_{j-1} V_{j-1}      wgmma, P from registers (its dot-operand layout)
+    wait for S_j                    (wgmma groups finish in order; O's keeps running)
+    softmax of S_j: m_j = max(m_{j-1}, rowmax S_j * scale * log2 e), alpha_j = exp2(m_{j-1} - m_j),
+                    P_j = exp2(S_j * scale * log2 e - m_j), l = l * alpha_j + rowsum P_j
+                    (the causal and sequence-end masks only on blocks that reach them)
+    wait for O's wgmma, a CTA barrier, then refill the slots read: K_{j+STAGES}, V_{j-1+STAGES}
 
-and at the end O / l and lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
+so block j's softmax runs while the tensor cores add block j-1's P V. At the end O / l and lse =
+(m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
+
+**Backward.** One program per ``BWD_BLOCK_N`` keys of a (batch, KV head) (see ``attn_bwd_sm90``).
 
 The inputs are 2-D views (B * T, H * D) of q, k, v (B, T, H|H_kv, D), contiguous: a tile is rows
 [b * T + start, + BLOCK) and columns [head * D, + D). Rows past T belong to the next sequence (or
@@ -42,6 +47,23 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 
 
 @gluon.jit
+def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from, IS_CAUSAL: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """One key block's online-softmax step on the raw scores s of keys offs_n = n_start + [0, BLOCK_N):
+    (p, m, l, alpha); masks only where the block reaches key mask_from (the causal diagonal or the
+    sequence's end)."""
+    if n_start + BLOCK_N > mask_from:
+        keep = offs_n[None, :] < T
+        if IS_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
 def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
                    IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -51,6 +73,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
     head = pid_bh % H
     kv_col = (head // GROUP) * HEAD_DIM
     q_start = pid_m * BLOCK_M
+    kv_row = batch * T
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -67,66 +90,78 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(kv_bars.index(i), count=1)
-
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [batch * T + q_start, head * HEAD_DIM], q_bar, q_smem)
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
-    kv_row = batch * T
-    mbarrier.expect(kv_bars.index(0), kv_bytes)
-    tma_load(k_desc, [kv_row, kv_col], kv_bars.index(0), k_smem.index(0))
-    tma_load(v_desc, [kv_row, kv_col], kv_bars.index(0), v_smem.index(0))
-
-    offs_m = q_start + gl.arange(0, BLOCK_M, layout=s_rows)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_rows)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
 
     if IS_CAUSAL:
         n_blocks = gl.cdiv(gl.minimum(T, q_start + BLOCK_M), BLOCK_N)
+        mask_from = gl.minimum(q_start + 1, T)  # the first key some row of this block must not see
     else:
         n_blocks = gl.cdiv(T, BLOCK_N)
+        mask_from = T
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma_load(q_desc, [kv_row + q_start, head * HEAD_DIM], q_bar, q_smem)
+    for i in gl.static_range(STAGES):  # the rings' first blocks
+        if i < n_blocks:
+            mbarrier.expect(k_bars.index(i), k_desc.block_type.nbytes)
+            tma_load(k_desc, [kv_row + i * BLOCK_N, kv_col], k_bars.index(i), k_smem.index(i))
+            mbarrier.expect(v_bars.index(i), v_desc.block_type.nbytes)
+            tma_load(v_desc, [kv_row + i * BLOCK_N, kv_col], v_bars.index(i), v_smem.index(i))
+
+    offs_m = q_start + gl.arange(0, BLOCK_M, layout=s_rows)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+
+    # block 0: its scores and softmax; nothing to add to O yet
     mbarrier.wait(q_bar, phase=0)
-    for j in range(n_blocks):
+    mbarrier.wait(k_bars.index(0), phase=0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    # alpha_0 = exp2(-inf - m_0) = 0 scales the zero O (every row sees key 0: m_0 is finite)
+    p, m_i, l_i, alpha = _softmax_block(s, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows),
+                                        gl.zeros([BLOCK_M], gl.float32, layout=s_rows), offs_m, 0,
+                                        gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale, mask_from, IS_CAUSAL,
+                                        BLOCK_N)
+    cta_barrier()  # every warp's S_0 is done: K_0's slot takes K_STAGES
+    if STAGES < n_blocks:
+        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes)
+        tma_load(k_desc, [kv_row + STAGES * BLOCK_N, kv_col], k_bars.index(0), k_smem.index(0))
+
+    for j in range(1, n_blocks):
         stage = j % STAGES
-        # Every warp has waited for its wgmmas of block j - 1 before any thread issues the copy into
-        # the slot they read (one thread issues a TMA copy; the two warpgroups run unsynchronised).
-        cta_barrier()
-        if j + 1 < n_blocks:  # the next block's slot was last read by block j + 1 - STAGES, finished
-            nxt = (j + 1) % STAGES
-            mbarrier.expect(kv_bars.index(nxt), kv_bytes)
-            tma_load(k_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
-                                            k_smem.index(nxt))
-            tma_load(v_desc, [kv_row + (j + 1) * BLOCK_N, kv_col], kv_bars.index(nxt),
-                                            v_smem.index(nxt))
-        mbarrier.wait(kv_bars.index(stage), phase=(j // STAGES) & 1)
-
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_bars.index(stage), phase=(j // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        s = s * qk_scale
-        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols)
-        keep = offs_n[None, :] < T
-        if IS_CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        s = gl.where(keep, s, float("-inf"))
-
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+        mbarrier.wait(v_bars.index(prev), phase=((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
+                                            j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale,
+                                            mask_from, IS_CAUSAL, BLOCK_N)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        m_i = m_new
+        cta_barrier()  # every warp is done with K_j and V_{j-1}: their slots take the blocks STAGES on
+        if j + STAGES < n_blocks:
+            mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes)
+            tma_load(k_desc, [kv_row + (j + STAGES) * BLOCK_N, kv_col], k_bars.index(stage), k_smem.index(stage))
+        if j - 1 + STAGES < n_blocks:
+            mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes)
+            tma_load(v_desc, [kv_row + (j - 1 + STAGES) * BLOCK_N, kv_col], v_bars.index(prev), v_smem.index(prev))
+
+    last = (n_blocks - 1) % STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_bars.index(last), phase=((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kv_bars.index(i))
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
 
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
