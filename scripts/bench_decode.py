@@ -387,7 +387,7 @@ def sweep_settings(default, round1) -> list:
     return list(dict.fromkeys(settings))  # each once, in order
 
 
-def sweep_rows(batches=SWEEP_BATCHES, lengths=SWEEP_LENGTHS) -> list[dict]:
+def sweep_rows(batches, lengths) -> list[dict]:
     """One row per launch setting (``sweep_settings``) of each head shape, batch and cache length."""
     return [row for H, H_kv, D in HEADS for B in batches for L in lengths for row in sweep_case(H, H_kv, D, B, L)]
 
@@ -429,6 +429,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="generate: batch sizes")
     parser.add_argument("--kernel-batches", default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
+    parser.add_argument("--sweep-batches", default=",".join(map(str, SWEEP_BATCHES)), help="sweep: batch sizes")
+    parser.add_argument("--sweep-lengths", default=",".join(map(str, SWEEP_LENGTHS)), help="sweep: cache lengths")
     parser.add_argument("--time-cap", type=float, default=5.0, help="generate: seconds the uncached run may take")
     args = parser.parse_args()
     parts = parse_list(args.parts)
@@ -455,7 +457,7 @@ def main() -> None:
               [kernel_line(r) for r in rows] + [""] + notes, rows)
     if "sweep" in parts:
         print("\n".join(SWEEP_HEAD), flush=True)
-        rows = sweep_rows()
+        rows = sweep_rows([int(b) for b in parse_list(args.sweep_batches)], [int(x) for x in parse_list(args.sweep_lengths)])
         write(args.out / "sweep", f"# Split-kernel launch settings, one new query, bf16: {title}", SWEEP_HEAD,
               [sweep_line(r) for r in rows], rows)
 

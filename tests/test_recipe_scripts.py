@@ -166,3 +166,18 @@ def test_the_startup_clock_counts_the_compile_caches_hits_of_its_own_run():
     counters["aot_autograd"]["autograd_cache_hit"] += 1
     counters["inductor"]["pattern_matcher_count"] += 5  # not a cache
     assert clock.record()["compile_caches"] == {"fxgraph_cache_hit": 2, "autograd_cache_hit": 1}
+
+
+def test_the_second_corpus_recipe_turns_on_every_switch_of_speedrun_char():
+    from omegaconf import OmegaConf
+    from test_configs import composed, typed
+
+    from training.config import validate
+
+    from scripts import recipe_ablation
+
+    linux, char = (composed([f"experiment={name}"]) for name in ("linux_recipe", "speedrun_char"))
+    validate(typed(linux))
+    for switch, key in recipe_ablation.SWITCHES.items():
+        assert OmegaConf.select(linux, key) == OmegaConf.select(char, key), switch
+    assert linux.data.name == "linux-6.1" and linux.trainer.max_steps < composed(["experiment=linux_corpus"]).trainer.max_steps
