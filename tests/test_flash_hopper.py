@@ -72,7 +72,7 @@ def test_calls_off_the_hopper_path_say_why():
 
 
 def test_the_kernel_switch_refuses_in_one_line_what_it_cannot_run():
-    q = torch.randn(1, 8, 2, 64)
+    q = torch.randn(1, 8, 2, 64, device="cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():  # with CUDA, CPU tensors are refused before the kernel is picked
         with pytest.raises(ValueError, match="kernel='gluon': the Hopper forward needs an sm90 GPU"):
             flash_attn(q, q, q, kernel="gluon")
