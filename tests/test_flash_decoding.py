@@ -150,21 +150,19 @@ H100_LIKE, CONSUMER = (132, 232448), (128, 101376)  # (SMs, shared memory per pr
 
 
 @pytest.mark.parametrize("gpu, batch, kv_heads, capacity, head_dim, expected", [
-    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(22, 128, 4, 3), id="gpt2-B1-32k"),  # 264 programs; long splits
-    pytest.param(H100_LIKE, 1, 12, 4096, 64, DecodeConfig(22, 64, 4, 3), id="gpt2-B1-4k"),  # 186 keys a split
+    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 64, 4, 3), id="gpt2-B1-32k"),  # 396 programs: 3 per SM
     pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
-    pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 64, 4, 3), id="gpt2-B8-32k"),  # not 5: 480 > 3 per SM
-    pytest.param(H100_LIKE, 16, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="gpt2-B16-32k"),  # not 4: 768 programs
-    pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="gpt2-B32-32k"),  # 384 pairs: past a wave
-    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(4, 64, 4, 3), id="gqa-B8-32k"),  # not 5: 320 programs
+    pytest.param(H100_LIKE, 4, 12, 32768, 64, DecodeConfig(8, 64, 4, 3), id="gpt2-B4-32k"),  # 384
+    pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 64, 4, 3), id="gpt2-B8-32k"),  # 384
+    pytest.param(H100_LIKE, 16, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="gpt2-B16-32k"),  # 384
+    pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="gpt2-B32-32k"),  # 384 pairs: no split
+    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(4, 64, 4, 3), id="gqa-B8-32k"),  # 2 per SM fit: 256
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
-    pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(21, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 100 KB: 64 keys a step
+    pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(21, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 100 KB: 2 per SM
 ])
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
-    """Splits fill whole waves of 2 programs per SM (5 splits of the GQA batch would start a second wave
-    a fifth full) and make at most 3 programs per SM; 128 keys a step where splits are long, the
-    programs fit one wave and 2 programs of those tiles fit an SM's shared memory (not at D = 128,
-    nor on a consumer card); the splits given are kept."""
+    """Splits make as many programs per SM as its shared memory holds at the tiles, at most 3, each
+    split at least one step of keys, at most 128; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected
