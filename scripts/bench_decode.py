@@ -422,15 +422,23 @@ def parse_list(text: str) -> list[str]:
     return [x for x in text.split(",") if x]
 
 
+def sizes(text: str) -> list[int]:
+    """A comma-separated list of positive whole numbers (batch sizes, cache lengths)."""
+    values = parse_list(text)
+    if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive whole numbers, e.g. 1,8")
+    return [int(v) for v in values]
+
+
 def main() -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the tables and raw results")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--batches", default="1,8", help="generate: batch sizes")
-    parser.add_argument("--kernel-batches", default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
-    parser.add_argument("--sweep-batches", default=",".join(map(str, SWEEP_BATCHES)), help="sweep: batch sizes")
-    parser.add_argument("--sweep-lengths", default=",".join(map(str, SWEEP_LENGTHS)), help="sweep: cache lengths")
+    parser.add_argument("--batches", type=sizes, default="1,8", help="generate: batch sizes")
+    parser.add_argument("--kernel-batches", type=sizes, default=",".join(map(str, BATCHES)), help="kernel: batch sizes")
+    parser.add_argument("--lengths", type=sizes, default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
+    parser.add_argument("--sweep-batches", type=sizes, default=",".join(map(str, SWEEP_BATCHES)), help="sweep: batch sizes")
+    parser.add_argument("--sweep-lengths", type=sizes, default=",".join(map(str, SWEEP_LENGTHS)), help="sweep: cache lengths")
     parser.add_argument("--time-cap", type=float, default=5.0, help="generate: seconds the uncached run may take")
     args = parser.parse_args()
     parts = parse_list(args.parts)
@@ -446,18 +454,18 @@ def main() -> None:
              f"`{command_line('bench_decode.py')}`")
     if "generate" in parts:
         print("\n".join(GENERATE_HEAD), flush=True)
-        rows = generate_rows([int(b) for b in parse_list(args.batches)], args.time_cap)
+        rows = generate_rows(args.batches, args.time_cap)
         write(args.out / "generate", f"# Generation, GPT-2 124M, {PROMPT} -> {CONTEXT} tokens: {title}", GENERATE_HEAD,
               [row_line(r) for r in rows], rows)
     if "kernel" in parts:
         print("\n".join(KERNEL_HEAD), flush=True)
-        rows, picked = kernel_rows([int(x) for x in parse_list(args.lengths)], [int(b) for b in parse_list(args.kernel_batches)])
+        rows, picked = kernel_rows(args.lengths, args.kernel_batches)
         notes = [f"- SDPA's kernels at H/H_kv/D {h}/{hk}/{d}, B {b}: {names}" for (h, hk, d, b), names in picked.items()]
         write(args.out / "kernel", f"# Decode kernel, one new query, bf16: {title}", KERNEL_HEAD,
               [kernel_line(r) for r in rows] + [""] + notes, rows)
     if "sweep" in parts:
         print("\n".join(SWEEP_HEAD), flush=True)
-        rows = sweep_rows([int(b) for b in parse_list(args.sweep_batches)], [int(x) for x in parse_list(args.sweep_lengths)])
+        rows = sweep_rows(args.sweep_batches, args.sweep_lengths)
         write(args.out / "sweep", f"# Split-kernel launch settings, one new query, bf16: {title}", SWEEP_HEAD,
               [sweep_line(r) for r in rows], rows)
 

@@ -258,6 +258,13 @@ def test_decode_benchmark_fails_clearly_without_cuda(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("option", ["--batches", "--kernel-batches", "--lengths", "--sweep-batches", "--sweep-lengths"])
+def test_decode_benchmark_refuses_a_bad_size_list_in_one_line(tmp_path, option):
+    proc = run(["-m", "scripts.bench_decode", "--out", str(tmp_path), option, "1,x"])
+    assert proc.returncode == 2 and option in proc.stderr and "positive whole numbers" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_decode_benchmark_gives_transformers_our_weights():
     """bench_decode's GPT2LMHeadModel computes our GPT-2's logits and greedy tokens (its static cache too)."""
     pytest.importorskip("transformers")

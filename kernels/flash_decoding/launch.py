@@ -10,8 +10,8 @@ its shared memory holds at the tiles below, at most ``MOST_PER_SM`` (3 at D = 64
 at D = 128, 2 on a ~100 KB consumer card), splits = (per_sm * SMs) // pairs. Each split takes at
 least one ``block_n`` of the capacity, and there are at most ``MAX_SPLITS``. On an H200
 (scripts/bench_decode.py's sweeps, 2026-11-26): GPT-2's 12 heads at batch 4 split 8 ways (384
-programs) read a 32k cache in 95.7 µs against 99.8 at 5 ways of 128-key tiles (the wave-filling
-rule before) and cuDNN's 96.9; at batch 16, 2 ways (384) against 4 (768), 357 µs against 406; at
+programs) read a 32k cache in 95.7 µs against 99.8 at 5 ways of 128-key tiles (one wave of two
+programs per SM) and cuDNN's 96.9; at batch 16, 2 ways (384) against 4 (768), 357 µs against 406; at
 batch 2, 16 ways, 51.2 µs against 52.5 at 11.
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
