@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
+WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup  # the backward's query rows per step and keys per program
 # Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
 # (async_copy_global_to_shared until 3.8, removed in 3.9).
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -173,6 +174,184 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
 
 
 @gluon.jit
+def _fwd_load(descs, bufs, bars, sizes, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: both halves' Q tiles once, then K_j and V_j of every key block into their
+    rings, each slot refilled once both consumers have released it."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    row0, q_start, head, kv_col, n_blocks, T = sizes
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+        tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_bars.index(half), q_smem.index(half))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait for phase 1
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: query rows [q_start + HALF * HALF_M, + HALF_M) against every key block,
+    FlashAttention-3's overlap within the warpgroup (S_j issued before O += P_{j-1} V_{j-1}); each
+    K/V slot released to the producer as soon as its wgmma is done. The two consumers run unsynchronised,
+    so one's softmax overlaps the other's matmuls."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    row0, q_start, head, kv_col, n_blocks, T = sizes
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    m_start = q_start + HALF * HALF_M
+    if IS_CAUSAL:
+        mask_from = gl.minimum(m_start + 1, T)
+    else:
+        mask_from = T
+    offs_m = m_start + gl.arange(0, HALF_M, layout=s_rows)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+    q = q_smem.index(HALF)
+
+    mbarrier.wait(q_bars.index(HALF), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax_block(s, gl.full([HALF_M], float("-inf"), gl.float32, layout=s_rows),
+                                        gl.zeros([HALF_M], gl.float32, layout=s_rows), offs_m, 0,
+                                        gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale, mask_from, IS_CAUSAL,
+                                        BLOCK_N)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
+                                            j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale,
+                                            mask_from, IS_CAUSAL, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    last = (n_blocks - 1) % STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    batch = row0 // T
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + (batch * H + head) * T + offs_m, lse, mask=offs_m < T)
+    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    rows = m_start + gl.arange(0, HALF_M, layout=o_rows)
+    cols = gl.arange(0, HEAD_DIM, layout=o_cols)
+    o_offsets = ((row0 + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(o_ptr + o_offsets, out.to(dtype), mask=(rows < T)[:, None])
+
+
+@gluon.jit
+def _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """A consumer partition; its tiles come from the descriptors' and buffers' shapes (a partition's
+    arguments pass no constexprs)."""
+    _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF, IS_CAUSAL,
+                 descs[1].block_type.shape[1], descs[1].block_type.shape[0], bufs[1].type.shape[0])
+
+
+@gluon.jit
+def _fwd_lo_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, True)
+
+
+@gluon.jit
+def _fwd_hi_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, True)
+
+
+@gluon.jit
+def _fwd_lo_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, False)
+
+
+@gluon.jit
+def _fwd_hi_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, False)
+
+
+@gluon.jit
+def _fwd_load_worker(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_load(descs, bufs, bars, sizes, descs[1].block_type.shape[1], descs[1].block_type.shape[0],
+              bufs[1].type.shape[0])
+
+
+@gluon.jit
+def _attn_fwd_sm90_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
+                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """The warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
+    q_desc's HALF_M rows each (the default partition and one worker); 2 * HALF_M query rows of one
+    (batch, query head) per program."""
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // H
+    head = pid_bh % H
+    q_start = pid_m * 2 * HALF_M
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(gl.minimum(T, q_start + 2 * HALF_M), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(T, BLOCK_N)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for half in gl.static_range(2):
+        mbarrier.init(q_bars.index(half), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    descs = (q_desc, k_desc, v_desc)
+    bufs = (q_smem, k_smem, v_smem)
+    bars = (q_bars, k_ready, k_empty, v_ready, v_empty)
+    sizes = (batch * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks, T)
+    worker_args = (descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale)
+    if IS_CAUSAL:
+        gl.warp_specialize([(_fwd_lo_causal, worker_args), (_fwd_hi_causal, worker_args),
+                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(_fwd_lo_full, worker_args), (_fwd_hi_full, worker_args),
+                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+
+
+@gluon.jit
 def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, T, H, GROUP,
                    sm_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -301,10 +480,16 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
         return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
+    options = {"num_warps": 8}
     if kernel == "fwd":
         fn, rows_q, rows_kv = _attn_fwd_sm90, 128, 128
         pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
         scalars = {"qk_scale": "fp32"}
+    elif kernel == "fwd_ws":
+        fn, rows_q, rows_kv = _attn_fwd_sm90_ws, 64, 128
+        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
+        scalars = {"qk_scale": "fp32"}
+        options = {"num_warps": 4, "maxnreg": WS_MAXNREG}
     else:
         fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
@@ -314,11 +499,13 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
     if kernel == "bwd":
         descriptors["do_desc"] = descriptor(rows_q)
     constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
-                  "num_warps": 8}
+                  "num_warps": options["num_warps"]}
+    if kernel == "fwd_ws":
+        del constexprs["BLOCK_M"], constexprs["num_warps"]
     signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 def tma_view(x):
@@ -368,7 +555,8 @@ def descriptor(x, rows: int):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
 
 
-def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 128, stages: int = 2):
+def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 128, stages: int = 2,
+                  ws: bool = False):
     """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
     q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
     (B, H, T) float32, natural log."""
@@ -381,6 +569,11 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 12
         return o, lse
     block_m = 128
     grid = (-(-T // block_m), B * H)
+    if ws:
+        _attn_fwd_sm90_ws[grid](descriptor(q, block_m // 2), descriptor(k, block_n), descriptor(v, block_n), o, lse,
+                                T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_n, D, stages,
+                                num_warps=4, maxnreg=WS_MAXNREG)
+        return o, lse
     _attn_fwd_sm90[grid](descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), o, lse, T, H,
                          H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_m, block_n, D, stages,
                          num_warps=8)
