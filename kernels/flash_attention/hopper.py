@@ -179,7 +179,7 @@ def _fwd_load(descs, bufs, bars, sizes, HEAD_DIM: gl.constexpr, BLOCK_N: gl.cons
     rings, each slot refilled once both consumers have released it."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    q_bars, k_ready, k_empty, v_ready, v_empty, turns = bars
     row0, q_start, head, kv_col, n_blocks, T = sizes
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     for half in gl.static_range(2):
@@ -205,9 +205,10 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
     so one's softmax overlaps the other's matmuls."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    q_bars, k_ready, k_empty, v_ready, v_empty, turns = bars
     row0, q_start, head, kv_col, n_blocks, T = sizes
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    PINGPONG: gl.constexpr = turns.type.shape[0] == 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -242,10 +243,17 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        if PINGPONG:  # this warpgroup's turn to issue its matmuls: wait for the other's of the block before
+            if HALF == 0:
+                mbarrier.wait(turns.index(0), j & 1, pred=j > 1)  # the other's block j - 1
+            else:
+                mbarrier.wait(turns.index(1), (j + 1) & 1)  # the other's block j
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - HALF), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
@@ -308,7 +316,7 @@ def _fwd_load_worker(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
 @gluon.jit
 def _attn_fwd_sm90_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
                       IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """The warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
     q_desc's HALF_M rows each (the default partition and one worker); 2 * HALF_M query rows of one
     (batch, query head) per program."""
@@ -340,7 +348,10 @@ def _attn_fwd_sm90_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_sc
         mbarrier.init(v_empty.index(i), count=2)
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
-    bars = (q_bars, k_ready, k_empty, v_ready, v_empty)
+    turns = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 if PINGPONG else 1):
+        mbarrier.init(turns.index(i), count=1)
+    bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turns)
     sizes = (batch * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks, T)
     worker_args = (descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale)
     if IS_CAUSAL:
@@ -502,6 +513,7 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
                   "num_warps": options["num_warps"]}
     if kernel == "fwd_ws":
         del constexprs["BLOCK_M"], constexprs["num_warps"]
+        constexprs["PINGPONG"] = True
     signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -556,7 +568,7 @@ def descriptor(x, rows: int):
 
 
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 128, stages: int = 2,
-                  ws: bool = False):
+                  ws: bool = False, pingpong: bool = False):
     """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
     q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
     (B, H, T) float32, natural log."""
@@ -572,7 +584,7 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 12
     if ws:
         _attn_fwd_sm90_ws[grid](descriptor(q, block_m // 2), descriptor(k, block_n), descriptor(v, block_n), o, lse,
                                 T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_n, D, stages,
-                                num_warps=4, maxnreg=WS_MAXNREG)
+                                pingpong, num_warps=4, maxnreg=WS_MAXNREG)
         return o, lse
     _attn_fwd_sm90[grid](descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), o, lse, T, H,
                          H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_m, block_n, D, stages,
