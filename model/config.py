@@ -108,4 +108,4 @@ class AttentionConfig:
     block_size: Optional[int] = None  # hybrid: queries per block; null sizes blocks from T and memory
     window: Optional[int] = None  # sliding-window causal attention: each query sees its last `window` keys
     strict: bool = False  # fail instead of falling back (flash: to sdpa) when the backend cannot run here
-    kernel: str = "auto"  # flash's kernels: auto (Gluon on H100/H200 where they apply, else tl) | tl | gluon
+    kernel: str = "auto"  # flash: auto (the Gluon forward on H100/H200 at head dim 128, else tl; tl backward) | tl | gluon (Gluon forward and backward)

@@ -34,9 +34,10 @@ compared with ours. Writes gate.json, gate.md and gate.csv.
     python -m scripts.bench_flash --gate --out OUTDIR
 
 ``--hopper`` times forward and forward+backward, causal, bf16, eager, through ``flash_attn`` with
-``kernel="gluon"`` (the Gluon kernels for sm90, ``kernels/flash_attention/hopper.py``) and
-``kernel="tl"``, and SDPA's cuDNN kernel, with the largest difference between the two kernels' o,
-dq, dk, dv. Writes hopper.json and hopper.md; needs an H100/H200.
+``kernel="gluon"`` (the Gluon kernels for sm90, ``kernels/flash_attention/hopper.py``),
+``kernel="auto"`` (what a model runs: the Gluon forward where it is the faster one, the tl backward)
+and ``kernel="tl"``, and SDPA's cuDNN kernel, with the largest difference between the Gluon and tl
+kernels' o, dq, dk, dv. Writes hopper.json and hopper.md; needs an H100/H200.
 
     python -m scripts.bench_flash --hopper --out OUTDIR
 
@@ -401,8 +402,8 @@ def chosen_configs() -> dict:
 
 
 def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
-    """Per shape: forward and forward+backward ms and TFLOP/s of flash_attn with kernel="gluon" and
-    kernel="tl", and cuDNN's; the largest difference between the two kernels' o, dq, dk, dv."""
+    """Per shape: forward and forward+backward ms and TFLOP/s of flash_attn with kernel="gluon",
+    "auto" and "tl", and cuDNN's; the largest difference between the gluon and tl kernels' o, dq, dk, dv."""
     from kernels.flash_attention import flash_attn, hopper
 
     cudnn = forced_sdpa("CUDNN_ATTENTION", heads_first=False)
@@ -414,6 +415,7 @@ def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
             fail(f"--hopper at {(B, H, T, D)}: the Hopper kernels {why}")
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         calls = {"gluon": lambda q, k, v: flash_attn(q, k, v, kernel="gluon"),
+                 "auto": lambda q, k, v: flash_attn(q, k, v, kernel="auto"),
                  "tl": lambda q, k, v: flash_attn(q, k, v, kernel="tl"), "cudnn": cudnn}
         outputs = {}
         for name in ("gluon", "tl"):
@@ -428,15 +430,17 @@ def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
 
 
 def hopper_table(rows: list[dict], meta: dict) -> str:
+    names = ("gluon", "auto", "tl", "cudnn")
     lines = table_header(meta, "Hopper kernels (Gluon) against the tl kernels and cuDNN, causal bf16, eager") + [
-        "| B, H, T, D | pass | gluon ms | tl ms | cuDNN ms | gluon TFLOP/s | tl TFLOP/s | cuDNN TFLOP/s "
-        "| gluon / cuDNN | max diff vs tl |", "|---|---|---|---|---|---|---|---|---|---|"]
+        "| B, H, T, D | pass | gluon ms | auto ms | tl ms | cuDNN ms | gluon TFLOP/s | auto TFLOP/s | tl TFLOP/s "
+        "| cuDNN TFLOP/s | gluon / cuDNN | auto / cuDNN | max diff vs tl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwd_bwd")):
-            g, t, c = (r[name][f"{key}_ms"] for name in ("gluon", "tl", "cudnn"))
-            rates = " | ".join(f"{r[name][f'{key}_tflops']:.0f}" for name in ("gluon", "tl", "cudnn"))
-            lines.append(f"| {', '.join(map(str, r['shape']))} | {label} | {g:.3f} | {t:.3f} | {c:.3f} | {rates} "
-                         f"| {c / g:.2f}x | {r['max_diff_vs_tl']:.2e} |")
+            g, a, t, c = (r[name][f"{key}_ms"] for name in names)
+            rates = " | ".join(f"{r[name][f'{key}_tflops']:.0f}" for name in names)
+            lines.append(f"| {', '.join(map(str, r['shape']))} | {label} | {g:.3f} | {a:.3f} | {t:.3f} | {c:.3f} | "
+                         f"{rates} | {c / g:.2f}x | {c / a:.2f}x | {r['max_diff_vs_tl']:.2e} |")
     return "\n".join(lines)
 
 

@@ -10,11 +10,12 @@
   returns qkv's gradient as one tensor (dk, dv None), so nothing concatenates dq, dk and dv.
 - Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
   ``flash_attn_interface.py`` is built the same way).
-- Kernels (``kernel=``): ``auto`` runs the Gluon kernels for sm90 (``hopper.py``) on calls they
-  take (an H100/H200, fp16/bf16, D 64 or 128, no window, documents, dropout or gate; for the
-  backward also no gradient of lse) and the ``tl`` kernels on all others; ``tl`` and ``gluon`` force
-  one (``gluon`` refuses a call it cannot take; a backward it cannot take, with a gradient of lse,
-  runs on the ``tl`` kernels).
+- Kernels (``kernel=``): ``auto`` runs the Gluon forward for sm90 (``hopper.py``) where it is the
+  faster one and takes the call (an H100/H200, fp16/bf16, D 128, no window, documents, dropout or
+  gate) and the ``tl`` kernels everywhere else, the backward included (the Gluon backward is slower
+  than the ``tl`` one; both read the same o and lse). ``gluon`` forces the Gluon forward and backward
+  (D 64 or 128; it refuses a call it cannot take, and a backward with a gradient of lse runs on the
+  ``tl`` kernels); ``tl`` forces the ``tl`` kernels.
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
   them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
   binary Triton picked for an earlier call with the same arguments: ``launch.py``).
@@ -38,7 +39,7 @@ from .dropout import draw_dropout_rng
 from .forward import attn_fwd, default_scale
 
 Tensor = torch.Tensor
-KERNELS = ("auto", "tl", "gluon")  # the forward kernel= picks (module docstring)
+KERNELS = ("auto", "tl", "gluon")  # what kernel= picks from (module docstring)
 
 
 def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -82,12 +83,19 @@ def hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g) -> str:
     return missing or hopper.unsupported(q, k, v, window, cu_seqlens, dropout_p, g) or ""
 
 
+def forward_choice(kernel: str, q, k, v, window, cu_seqlens, dropout_p, g) -> str:
+    """The forward ``kernel=`` gives this call: "gluon" or "tl" (module docstring)."""
+    if kernel == "tl" or hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g):
+        return "tl"
+    return "gluon" if kernel == "gluon" or q.shape[-1] in hopper_module()[0].AUTO_FORWARD_HEAD_DIMS else "tl"
+
+
 def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
     """o (B, T, H, D) in q's dtype and lse (B, H, T) float32; q is the packed qkv when k is None."""
     n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
     if k is None:
         q, k, v = split_qkv(q, n_head)
-    if kernel != "tl" and not hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g):
+    if forward_choice(kernel, q, k, v, window, cu_seqlens, dropout_p, g) == "gluon":
         return hopper_module()[0].attn_fwd_sm90(q, k, v, softmax_scale, causal)
     return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, max_seqlen, rng, dropout_p, g)
 
@@ -102,7 +110,7 @@ def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
     qkv, None, None and dg."""
     n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
-    if kernel != "tl" and dlse is None:
+    if kernel == "gluon" and dlse is None:
         qkv_views = split_qkv(q, n_head) if k is None else (q, k, v)
         if not hopper_refusal(*qkv_views, window, cu_seqlens, dropout_p, g):
             dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, *qkv_views, o, lse, softmax_scale, causal)

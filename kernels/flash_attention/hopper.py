@@ -1,21 +1,26 @@
 """Flash attention for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
 
-**Forward.** One program computes ``BLOCK_M`` query rows of one (batch, query head) pair with
-``num_warps`` warps (two warpgroups at BLOCK_M = 128). Q's tile is loaded once by TMA; K and V stream
-through two rings of ``STAGES`` shared-memory slots, each slot with its mbarrier. Per key block j,
+**Forward.** Warp-specialised: one program computes 2 * ``FWD_HALF_M`` = 128 query rows of one
+(batch, query head) pair with three partitions: a producer warp that loads both halves' Q tiles and
+then K_j and V_j of every key block into two rings of ``FWD_STAGES`` shared-memory slots (TMA, one
+"ready" mbarrier per slot), and two consumer warpgroups of 64 rows each (the default partition and
+one worker, 240 registers each; the producer 24). Per key block j each consumer runs
 FlashAttention-3's overlap within a warpgroup:
 
     issue S_j = Q K_j^T             wgmma, both operands in shared memory, fp32 accumulator
     O = O * alpha_{j-1}             (no wgmma writes O now)
     issue O += P_{j-1} V_{j-1}      wgmma, P from registers (its dot-operand layout)
-    wait for S_j                    (wgmma groups finish in order; O's keeps running)
+    wait for S_j, release K_j's slot (wgmma groups finish in order; O's keeps running)
     softmax of S_j: m_j = max(m_{j-1}, rowmax S_j * scale * log2 e), alpha_j = exp2(m_{j-1} - m_j),
                     P_j = exp2(S_j * scale * log2 e - m_j), l = l * alpha_j + rowsum P_j
                     (the causal and sequence-end masks only on blocks that reach them)
-    wait for O's wgmma, a CTA barrier, then refill the slots read: K_{j+STAGES}, V_{j-1+STAGES}
+    wait for O's wgmma, release V_{j-1}'s slot
 
-so block j's softmax runs while the tensor cores add block j-1's P V. At the end O / l and lse =
-(m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
+A slot's "empty" mbarrier counts both consumers' releases before the producer refills it. The two
+consumers run unsynchronised, so one's softmax overlaps the other's matmuls (on an H100 1.2-1.3x the
+first version, which ran both warpgroups in step behind a CTA barrier per block; an explicit
+ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). At the end O / l and
+lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
 
 **Backward.** One program per ``BWD_BLOCK_N`` keys of a (batch, KV head) (see ``attn_bwd_sm90``).
 
@@ -39,8 +44,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
-WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup  # the backward's query rows per step and keys per program
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
+FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # each consumer's query rows, keys per block, K/V ring slots
+FWD_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
+AUTO_FORWARD_HEAD_DIMS = (128,)  # where attention.kernel=auto takes this forward (faster than tl's; docs/KERNEL.md)
 # Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
 # (async_copy_global_to_shared until 3.8, removed in 3.9).
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -65,121 +72,12 @@ def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from,
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
-                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)  # b * H + h
-    batch = pid_bh // H
-    head = pid_bh % H
-    kv_col = (head // GROUP) * HEAD_DIM
-    q_start = pid_m * BLOCK_M
-    kv_row = batch * T
-
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    dtype: gl.constexpr = q_desc.dtype
-
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
-
-    if IS_CAUSAL:
-        n_blocks = gl.cdiv(gl.minimum(T, q_start + BLOCK_M), BLOCK_N)
-        mask_from = gl.minimum(q_start + 1, T)  # the first key some row of this block must not see
-    else:
-        n_blocks = gl.cdiv(T, BLOCK_N)
-        mask_from = T
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma_load(q_desc, [kv_row + q_start, head * HEAD_DIM], q_bar, q_smem)
-    for i in gl.static_range(STAGES):  # the rings' first blocks
-        if i < n_blocks:
-            mbarrier.expect(k_bars.index(i), k_desc.block_type.nbytes)
-            tma_load(k_desc, [kv_row + i * BLOCK_N, kv_col], k_bars.index(i), k_smem.index(i))
-            mbarrier.expect(v_bars.index(i), v_desc.block_type.nbytes)
-            tma_load(v_desc, [kv_row + i * BLOCK_N, kv_col], v_bars.index(i), v_smem.index(i))
-
-    offs_m = q_start + gl.arange(0, BLOCK_M, layout=s_rows)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
-
-    # block 0: its scores and softmax; nothing to add to O yet
-    mbarrier.wait(q_bar, phase=0)
-    mbarrier.wait(k_bars.index(0), phase=0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    # alpha_0 = exp2(-inf - m_0) = 0 scales the zero O (every row sees key 0: m_0 is finite)
-    p, m_i, l_i, alpha = _softmax_block(s, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_rows),
-                                        gl.zeros([BLOCK_M], gl.float32, layout=s_rows), offs_m, 0,
-                                        gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale, mask_from, IS_CAUSAL,
-                                        BLOCK_N)
-    cta_barrier()  # every warp's S_0 is done: K_0's slot takes K_STAGES
-    if STAGES < n_blocks:
-        mbarrier.expect(k_bars.index(0), k_desc.block_type.nbytes)
-        tma_load(k_desc, [kv_row + STAGES * BLOCK_N, kv_col], k_bars.index(0), k_smem.index(0))
-
-    for j in range(1, n_blocks):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_bars.index(stage), phase=(j // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_bars.index(prev), phase=((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
-                                            j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale,
-                                            mask_from, IS_CAUSAL, BLOCK_N)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        cta_barrier()  # every warp is done with K_j and V_{j-1}: their slots take the blocks STAGES on
-        if j + STAGES < n_blocks:
-            mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes)
-            tma_load(k_desc, [kv_row + (j + STAGES) * BLOCK_N, kv_col], k_bars.index(stage), k_smem.index(stage))
-        if j - 1 + STAGES < n_blocks:
-            mbarrier.expect(v_bars.index(prev), v_desc.block_type.nbytes)
-            tma_load(v_desc, [kv_row + (j - 1 + STAGES) * BLOCK_N, kv_col], v_bars.index(prev), v_smem.index(prev))
-
-    last = (n_blocks - 1) % STAGES
-    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    mbarrier.wait(v_bars.index(last), phase=((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(lse_ptr + pid_bh * T + offs_m, lse, mask=offs_m < T)
-    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    rows = q_start + gl.arange(0, BLOCK_M, layout=o_rows)
-    cols = gl.arange(0, HEAD_DIM, layout=o_cols)
-    o_offsets = ((batch * T + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
-    gl.store(o_ptr + o_offsets, out.to(dtype), mask=(rows < T)[:, None])
-
-
-@gluon.jit
 def _fwd_load(descs, bufs, bars, sizes, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The producer warp: both halves' Q tiles once, then K_j and V_j of every key block into their
     rings, each slot refilled once both consumers have released it."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty, turns = bars
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
     row0, q_start, head, kv_col, n_blocks, T = sizes
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     for half in gl.static_range(2):
@@ -205,10 +103,9 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
     so one's softmax overlaps the other's matmuls."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty, turns = bars
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
     row0, q_start, head, kv_col, n_blocks, T = sizes
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    PINGPONG: gl.constexpr = turns.type.shape[0] == 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -243,17 +140,10 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        if PINGPONG:  # this warpgroup's turn to issue its matmuls: wait for the other's of the block before
-            if HALF == 0:
-                mbarrier.wait(turns.index(0), j & 1, pred=j > 1)  # the other's block j - 1
-            else:
-                mbarrier.wait(turns.index(1), (j + 1) & 1)  # the other's block j
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turns.index(1 - HALF), count=1)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
@@ -314,9 +204,9 @@ def _fwd_load_worker(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
 
 
 @gluon.jit
-def _attn_fwd_sm90_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
                       IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                      STAGES: gl.constexpr):
     """The warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
     q_desc's HALF_M rows each (the default partition and one worker); 2 * HALF_M query rows of one
     (batch, query head) per program."""
@@ -348,10 +238,7 @@ def _attn_fwd_sm90_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_sc
         mbarrier.init(v_empty.index(i), count=2)
     descs = (q_desc, k_desc, v_desc)
     bufs = (q_smem, k_smem, v_smem)
-    turns = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 if PINGPONG else 1):
-        mbarrier.init(turns.index(i), count=1)
-    bars = (q_bars, k_ready, k_empty, v_ready, v_empty, turns)
+    bars = (q_bars, k_ready, k_empty, v_ready, v_empty)
     sizes = (batch * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks, T)
     worker_args = (descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale)
     if IS_CAUSAL:
@@ -491,29 +378,23 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
         return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
 
-    options = {"num_warps": 8}
     if kernel == "fwd":
-        fn, rows_q, rows_kv = _attn_fwd_sm90, 128, 128
+        fn, rows_q, rows_kv = _attn_fwd_sm90, FWD_HALF_M, FWD_BLOCK_N
         pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
         scalars = {"qk_scale": "fp32"}
-    elif kernel == "fwd_ws":
-        fn, rows_q, rows_kv = _attn_fwd_sm90_ws, 64, 128
-        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
-        scalars = {"qk_scale": "fp32"}
-        options = {"num_warps": 4, "maxnreg": WS_MAXNREG}
+        options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
+        constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
     else:
         fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
                     "dv_ptr": f"*{dtype}"}
         scalars = {"sm_scale": "fp32"}
+        options = {"num_warps": 8}
+        constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
+                      "num_warps": 8}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
     if kernel == "bwd":
         descriptors["do_desc"] = descriptor(rows_q)
-    constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
-                  "num_warps": options["num_warps"]}
-    if kernel == "fwd_ws":
-        del constexprs["BLOCK_M"], constexprs["num_warps"]
-        constexprs["PINGPONG"] = True
     signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -567,8 +448,7 @@ def descriptor(x, rows: int):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
 
 
-def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 128, stages: int = 2,
-                  ws: bool = False, pingpong: bool = False):
+def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
     q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
     (B, H, T) float32, natural log."""
@@ -579,18 +459,11 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool, block_n: int = 12
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    block_m = 128
-    grid = (-(-T // block_m), B * H)
-    if ws:
-        _attn_fwd_sm90_ws[grid](descriptor(q, block_m // 2), descriptor(k, block_n), descriptor(v, block_n), o, lse,
-                                T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_n, D, stages,
-                                pingpong, num_warps=4, maxnreg=WS_MAXNREG)
-        return o, lse
-    _attn_fwd_sm90[grid](descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), o, lse, T, H,
-                         H // k.shape[2], softmax_scale * LOG2E, bool(causal), block_m, block_n, D, stages,
-                         num_warps=8)
+    grid = (-(-T // (2 * FWD_HALF_M)), B * H)
+    _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N), o, lse,
+                         T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
+                         num_warps=4, maxnreg=FWD_MAXNREG)
     return o, lse
-
 
 
 def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
