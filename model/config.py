@@ -99,9 +99,13 @@ def validate_model(cfg: ModelConfig) -> None:
         raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")
 
 
+FLASH_KERNELS = ("auto", "tl", "gluon")  # attention.kernel (kernels/flash_attention/function.py: kernel=)
+
+
 @dataclass
 class AttentionConfig:
     name: str = "sdpa"  # a row of model/attention's BACKENDS table
     block_size: Optional[int] = None  # hybrid: queries per block; null sizes blocks from T and memory
     window: Optional[int] = None  # sliding-window causal attention: each query sees its last `window` keys
     strict: bool = False  # fail instead of falling back (flash: to sdpa) when the backend cannot run here
+    kernel: str = "auto"  # flash: auto (the Gluon forward on H100/H200 at head dim 128, else tl; tl backward) | tl | gluon (Gluon forward and backward)

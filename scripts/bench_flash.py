@@ -1,6 +1,6 @@
 """Measurements of our flash kernel that no other backend shares: the cost of attention dropout
-(``--dropout P``), the first call at a new shape (``--first-call``) and the cost of the forget gate
-(``--gate``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
+(``--dropout P``), the first call at a new shape (``--first-call``), the cost of the forget gate
+(``--gate``) and the Hopper kernels in Gluon against the ``tl`` kernels (``--hopper``), one per run. Our kernel's speed against SDPA's kernels at the same shapes is
 ``scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]``.
 
 Times are medians of ``triton.testing.do_bench``; TFLOP/s count causal forward flops as 2*B*H*T^2*D
@@ -32,6 +32,14 @@ gates near 1 as the Forgetting Transformer starts. Before timing, FLA's o, dq, d
 compared with ours. Writes gate.json, gate.md and gate.csv.
 
     python -m scripts.bench_flash --gate --out OUTDIR
+
+``--hopper`` times forward and forward+backward, causal, bf16, eager, through ``flash_attn`` with
+``kernel="gluon"`` (the Gluon kernels for sm90, ``kernels/flash_attention/hopper.py``),
+``kernel="auto"`` (what a model runs: the Gluon forward where it is the faster one, the tl backward)
+and ``kernel="tl"``, and SDPA's cuDNN kernel, with the largest difference between the Gluon and tl
+kernels' o, dq, dk, dv. Writes hopper.json and hopper.md; needs an H100/H200.
+
+    python -m scripts.bench_flash --hopper --out OUTDIR
 
 Needs a CUDA GPU.
 """
@@ -393,6 +401,49 @@ def chosen_configs() -> dict:
     return {t.kind: {str(key): str(cfg) for key, cfg in t.picks.items()} for t in (forward.FWD, backward.DQ, backward.DKDV)}
 
 
+def bench_hopper(shapes, warmup: int, rep: int) -> list[dict]:
+    """Per shape: forward and forward+backward ms and TFLOP/s of flash_attn with kernel="gluon",
+    "auto" and "tl", and cuDNN's; the largest difference between the gluon and tl kernels' o, dq, dk, dv."""
+    from kernels.flash_attention import flash_attn, hopper
+
+    cudnn = forced_sdpa("CUDNN_ATTENTION", heads_first=False)
+    rows = []
+    for B, H, T, D in shapes:
+        q, k, v, do = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        why = hopper.unsupported(q, k, v, 0, None, 0.0, None)
+        if why:
+            fail(f"--hopper at {(B, H, T, D)}: the Hopper kernels {why}")
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        calls = {"gluon": lambda q, k, v: flash_attn(q, k, v, kernel="gluon"),
+                 "auto": lambda q, k, v: flash_attn(q, k, v, kernel="auto"),
+                 "tl": lambda q, k, v: flash_attn(q, k, v, kernel="tl"), "cudnn": cudnn}
+        outputs = {}
+        for name in ("gluon", "tl"):
+            o = calls[name](q, k, v)
+            outputs[name] = (o, *torch.autograd.grad(o, (q, k, v), do))
+        difference = max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs["gluon"], outputs["tl"]))
+        row = {"shape": [B, H, T, D], "max_diff_vs_tl": difference}
+        for name, fn in calls.items():
+            row[name] = time_calls(fn, q, k, v, do, (B, H, T, D), warmup, rep)
+        rows.append(row)
+    return rows
+
+
+def hopper_table(rows: list[dict], meta: dict) -> str:
+    names = ("gluon", "auto", "tl", "cudnn")
+    lines = table_header(meta, "Hopper kernels (Gluon) against the tl kernels and cuDNN, causal bf16, eager") + [
+        "| B, H, T, D | pass | gluon ms | auto ms | tl ms | cuDNN ms | gluon TFLOP/s | auto TFLOP/s | tl TFLOP/s "
+        "| cuDNN TFLOP/s | gluon / cuDNN | auto / cuDNN | max diff vs tl |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for label, key in (("fwd", "fwd"), ("fwd+bwd", "fwd_bwd")):
+            g, a, t, c = (r[name][f"{key}_ms"] for name in names)
+            rates = " | ".join(f"{r[name][f'{key}_tflops']:.0f}" for name in names)
+            lines.append(f"| {', '.join(map(str, r['shape']))} | {label} | {g:.3f} | {a:.3f} | {t:.3f} | {c:.3f} | "
+                         f"{rates} | {c / g:.2f}x | {c / a:.2f}x | {r['max_diff_vs_tl']:.2e} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for dropout.*, first_call.* or gate.* (json, md; gate.csv)")
@@ -406,16 +457,18 @@ def main() -> None:
     ap.add_argument("--first-call-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gate", action="store_true",
                     help="measure the cost of the forget gate g against none, beside flash-linear-attention")
+    ap.add_argument("--hopper", action="store_true",
+                    help="time the Hopper kernels in Gluon against the tl kernels and cuDNN (H100/H200)")
     args = ap.parse_args()
     if args.first_call_child is not None:  # one measurement of --first-call, in its own process
         print(json.dumps(first_call_child(*json.loads(args.first_call_child))))
         return
     modes = [name for name, on in (("--dropout", args.dropout is not None), ("--first-call", args.first_call),
-                                   ("--gate", args.gate)) if on]
+                                   ("--gate", args.gate), ("--hopper", args.hopper)) if on]
     if len(modes) > 1:
         fail(f"{' and '.join(modes)} are separate measurements: pass one of them")
     if not modes:
-        fail("pass one of --dropout P, --first-call, --gate; our kernel against SDPA's kernels is "
+        fail("pass one of --dropout P, --first-call, --gate, --hopper; our kernel against SDPA's kernels is "
              "scripts/bench_attention.py --preset anchors --backends flash,sdpa-fa2,sdpa-cudnn [--graphs]")
     if args.dropout is not None and not 0 < args.dropout < 1:
         fail(f"--dropout must be in (0, 1), got {args.dropout}")
@@ -441,6 +494,11 @@ def main() -> None:
         meta["chosen_configs"] = chosen_configs()
         records = gate_records(rows)
         emit(args.out, "gate", meta, rows, gate_table(records, meta["fla"], meta), records)
+        return
+    if args.hopper:
+        rows = bench_hopper(shapes, args.warmup, args.rep)
+        meta["chosen_configs"] = chosen_configs()
+        emit(args.out, "hopper", meta, rows, hopper_table(rows, meta))
         return
     if args.dropout is not None:
         rows, meta["first_call_s"] = bench_dropout(shapes, args.dropout, args.warmup, args.rep)

@@ -152,7 +152,7 @@ def test_fit_fails_clearly_without_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("script", ["bench_flash.py --gate", "profile_flash.py"])
+@pytest.mark.parametrize("script", ["bench_flash.py --gate", "bench_flash.py --hopper", "profile_flash.py"])
 def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
     proc = run(["-m", f"scripts.{script.split()[0].removesuffix('.py')}", *script.split()[1:], "--out", str(tmp_path)])
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "bench_attention.py --device cpu" in proc.stderr
@@ -209,6 +209,31 @@ def test_bench_flash_gate_records_and_table_show_costs_ratios_and_what_is_missin
     assert table[1][4:] == ["1.200", "4.000", "1.000", "3.200", "2.400", "6.000", "1.200x", "1.250x", "2.000x",
                             "1.500x", "yes"]
     assert table[2][8:10] == ["n/a", "n/a"] and table[2][-1] == "NO" and table[3][-1] == "n/a"
+
+
+def test_bench_flash_hopper_table_gives_each_kernel_and_the_ratio_to_cudnn():
+    bench = load_script("bench_flash")
+    timed = {name: {"fwd_ms": f, "fwd_tflops": tf, "fwd_bwd_ms": fb, "fwd_bwd_tflops": tfb}
+             for name, f, tf, fb, tfb in (("gluon", 0.5, 550.0, 2.0, 480.0), ("auto", 0.5, 550.0, 1.9, 505.0),
+                                          ("tl", 0.6, 458.0, 2.4, 400.0), ("cudnn", 0.55, 500.0, 1.8, 533.0))}
+    rows = [{"shape": [8, 16, 2048, 128], "max_diff_vs_tl": 0.0039, **timed}]
+    meta = {"device": "GPU", "torch": "2", "triton": "3", "date": "d", "commit": "c",
+            "command": "python -m scripts.bench_flash --hopper"}
+    table = markdown_table(bench.hopper_table(rows, meta), "| B, H, T, D")
+    assert table[1] == ["8, 16, 2048, 128", "fwd", "0.500", "0.500", "0.600", "0.550", "550", "550", "458", "500",
+                        "1.10x", "1.10x", "3.90e-03"]
+    assert table[2] == ["8, 16, 2048, 128", "fwd+bwd", "2.000", "1.900", "2.400", "1.800", "480", "505", "400", "533",
+                        "0.90x", "0.95x", "3.90e-03"]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs an sm90 GPU (H100/H200)")
+def test_bench_flash_hopper_times_every_kernel_choice_cuda(tmp_path):
+    proc = run(["-m", "scripts.bench_flash", "--hopper", "--shapes", "1,2,256,64", "--out", str(tmp_path)],
+               env=run_env(gpu=True))
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads((tmp_path / "hopper.json").read_text())["rows"][0]
+    assert row["max_diff_vs_tl"] < 0.05 and all(row[k]["fwd_bwd_ms"] > row[k]["fwd_ms"] > 0 for k in ("gluon", "auto", "tl", "cudnn"))
 
 
 def test_bench_flash_takes_one_mode_at_a_time(tmp_path):

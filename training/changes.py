@@ -46,6 +46,7 @@ KINDS: Dict[str, str] = {
     "attention.name": FREE,  # every backend computes the same attention
     "attention.block_size": FREE,
     "attention.strict": FREE,
+    "attention.kernel": FREE,  # the same attention, computed by another forward kernel
     "attention.window": MEANING,
     # data/config.py
     "data.tokenizer": SHAPE,

@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 
 from data.config import DataConfig, validate as validate_data
 from errors import UserError, check_choice, check_positive
-from model.attention import check_features, validate_attention
+from model.attention import check_features, check_kernel, validate_attention
 from model.config import AttentionConfig, ModelConfig, validate_model
 from training.context_parallel import check_options as check_context_parallel
 from training.distributed import KINDS
@@ -129,6 +129,7 @@ def validate(cfg: TrainConfig) -> None:
     validate_attention(cfg.attention)
     validate_data(cfg.data)
     check_features(cfg.attention.name, features_in_use(cfg))
+    check_kernel(cfg.attention, features_in_use(cfg))
     o, t = cfg.optim, cfg.trainer
     check_choice("optim", o.name, OPTIMIZERS)
     check_choice("optim.schedule", o.schedule, SCHEDULES)

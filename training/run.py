@@ -24,7 +24,7 @@ from model.config import padded_vocab
 from training import distributed, pretrained
 from training.caches import cache_custom_autograd_graphs
 from training.checkpoint import Checkpointer, restore
-from training.config import TrainConfig
+from training.config import TrainConfig, features_in_use
 from training.context_parallel import SequenceShard
 from training.cuda_graph import CapturedStep, use_cuda_graph
 from training.fit import auto_batch_size
@@ -110,7 +110,8 @@ def setup_run(cfg: TrainConfig, run_dir: Path, ranks: distributed.Ranks, device:
         + (f" | {pretrained.describe_origin(origin)}" if origin and not start_step else "")
     )
     if ranks.is_main and not finished:
-        write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size, origin)
+        write_run_info(run_dir, backend, device, dtype, model.num_params(), batch_size, origin,
+                       flash_forward(cfg, backend, model_cfg, device, dtype))
 
     profiler = StepProfiler(run_dir, t.profile_steps if ranks.is_main else 0, start_step, device, t.max_steps)
     if profiler.note:
@@ -198,12 +199,24 @@ def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
     return parallel_model
 
 
+def flash_forward(cfg: TrainConfig, backend: str, model_cfg: ModelConfig, device, dtype) -> Optional[str]:
+    """attention=flash: the forward kernel its calls run ("gluon" or "tl"); None for other backends."""
+    if backend != "flash":
+        return None
+    from model.attention.flash import forward_kernel
+
+    return forward_kernel(cfg.attention.kernel, device, dtype, model_cfg.n_head, model_cfg.kv_heads,
+                          model_cfg.head_dim, bool(features_in_use(cfg)))
+
+
 def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int,
-                   origin: Optional[dict]) -> None:
-    """run.json: what actually ran (the backend after any fallback, the GPU, the versions) and where the
-    first weights came from (model.init_from; null: initialized at random)."""
+                   origin: Optional[dict], flash_kernel: Optional[str] = None) -> None:
+    """run.json: what actually ran (the backend after any fallback and, for flash, its forward kernel,
+    the GPU, the versions) and where the first weights came from (model.init_from; null: initialized
+    at random)."""
     info = {
         "attention": backend,
+        "flash_forward": flash_kernel,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": dtype_name(dtype),
         "torch": torch.__version__,

@@ -10,6 +10,12 @@
   returns qkv's gradient as one tensor (dk, dv None), so nothing concatenates dq, dk and dv.
 - Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
   ``flash_attn_interface.py`` is built the same way).
+- Kernels (``kernel=``): ``auto`` runs the Gluon forward for sm90 (``hopper.py``) where it is the
+  faster one and takes the call (an H100/H200, fp16/bf16, D 128, no window, documents, dropout or
+  gate) and the ``tl`` kernels everywhere else, the backward included (the Gluon backward is slower
+  than the ``tl`` one; both read the same o and lse). ``gluon`` forces the Gluon forward and backward
+  (D 64 or 128; it refuses a call it cannot take, and a backward with a gradient of lse runs on the
+  ``tl`` kernels); ``tl`` forces the ``tl`` kernels.
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
   them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
   binary Triton picked for an earlier call with the same arguments: ``launch.py``).
@@ -21,6 +27,7 @@ dropout the (2,) int64 RNG state the forward drew (``dropout.py``) and with a fo
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,6 +39,7 @@ from .dropout import draw_dropout_rng
 from .forward import attn_fwd, default_scale
 
 Tensor = torch.Tensor
+KERNELS = ("auto", "tl", "gluon")  # what kernel= picks from (module docstring)
 
 
 def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -41,25 +49,54 @@ def split_qkv(qkv: Tensor, n_head: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def op_options(n_head: int, max_seqlen: int, softmax_scale: float, causal: bool, window: int,
-               dropout_p: float) -> list[float]:
+               dropout_p: float, kernel: str = "auto") -> list[float]:
     """The ops' scalar arguments in one ``float[]``: the dispatcher converts and checks each argument
-    of a call, and one list costs it a third of what six scalars do (docs/KERNEL.md, the host path).
-    n_head: query heads of a packed qkv (0 otherwise); max_seqlen: the longest document with
-    cu_seqlens (0 otherwise); window: 0 for none."""
-    return [n_head, max_seqlen, softmax_scale, bool(causal), window, dropout_p]
+    of a call, and one list costs it a third of what separate scalars do (docs/KERNEL.md, the host
+    path). n_head: query heads of a packed qkv (0 otherwise); max_seqlen: the longest document with
+    cu_seqlens (0 otherwise); window: 0 for none; kernel: one of :data:`KERNELS`."""
+    return [n_head, max_seqlen, softmax_scale, bool(causal), window, dropout_p, KERNELS.index(kernel)]
 
 
-def unpack(options: list[float]) -> tuple[int, int, float, bool, int, float]:
-    """(n_head, max_seqlen, softmax_scale, causal, window, dropout_p) of :func:`op_options`' list."""
-    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = options
-    return int(n_head), int(max_seqlen), softmax_scale, bool(causal), int(window), dropout_p
+def unpack(options: list[float]) -> tuple[int, int, float, bool, int, float, str]:
+    """(n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel) of :func:`op_options`' list."""
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = options
+    return int(n_head), int(max_seqlen), softmax_scale, bool(causal), int(window), dropout_p, KERNELS[int(kernel)]
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_module():
+    """(the Gluon forward's module, "") or (None, why this Triton cannot build it)."""
+    try:
+        from . import hopper
+    except (ImportError, AttributeError) as error:
+        import triton
+
+        return None, f"is not built with triton {triton.__version__} ({type(error).__name__}: {error})"
+    return hopper, ""
+
+
+def hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g) -> str:
+    """Why the Gluon forward cannot take this call; "" when it can."""
+    if not q.is_cuda:
+        return "needs an sm90 GPU (H100/H200)"
+    hopper, missing = hopper_module()
+    return missing or hopper.unsupported(q, k, v, window, cu_seqlens, dropout_p, g) or ""
+
+
+def forward_choice(kernel: str, q, k, v, window, cu_seqlens, dropout_p, g) -> str:
+    """The forward ``kernel=`` gives this call: "gluon" or "tl" (module docstring)."""
+    if kernel == "tl" or hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g):
+        return "tl"
+    return "gluon" if kernel == "gluon" or q.shape[-1] in hopper_module()[0].AUTO_FORWARD_HEAD_DIMS else "tl"
 
 
 def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
     """o (B, T, H, D) in q's dtype and lse (B, H, T) float32; q is the packed qkv when k is None."""
-    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
     if k is None:
         q, k, v = split_qkv(q, n_head)
+    if forward_choice(kernel, q, k, v, window, cu_seqlens, dropout_p, g) == "gluon":
+        return hopper_module()[0].attn_fwd_sm90(q, k, v, softmax_scale, causal)
     return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, max_seqlen, rng, dropout_p, g)
 
 
@@ -72,7 +109,12 @@ def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, options):
 def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
     qkv, None, None and dg."""
-    n_head, max_seqlen, softmax_scale, causal, window, dropout_p = unpack(options)
+    n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
+    if kernel == "gluon" and dlse is None:
+        qkv_views = split_qkv(q, n_head) if k is None else (q, k, v)
+        if not hopper_refusal(*qkv_views, window, cu_seqlens, dropout_p, g):
+            dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, *qkv_views, o, lse, softmax_scale, causal)
+            return (torch.cat([dq, dk, dv], dim=2), None, None, None) if k is None else (dq, dk, dv, None)
     if k is None:
         dqkv = q.new_empty(q.shape)
         _, _, _, dg = attn_bwd(do, *split_qkv(q, n_head), o, lse, softmax_scale, causal, window, cu_seqlens,
@@ -123,11 +165,17 @@ class FlashAttnFunction(torch.autograd.Function):
 
 
 def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_seqlens, max_seqlen, return_lse,
-            dropout_p, g):
+            dropout_p, g, kernel):
     """The two public functions after their own checks: q, k, v are views of qkv when it is given."""
     check_inputs(name, q, k, v, causal, softmax_scale, window_size, cu_seqlens, dropout_p)
     if g is not None:
         check_gate(name, g, (*q.shape[:3],), q.device)
+    if kernel not in KERNELS:
+        raise ValueError(f"{name}: kernel={kernel!r} is not one of {', '.join(KERNELS)}")
+    if kernel == "gluon":
+        refusal = hopper_refusal(q, k, v, window_size or 0, cu_seqlens, dropout_p, g)
+        if refusal:
+            raise ValueError(f"{name}: kernel='gluon': the Hopper forward {refusal}; kernel='auto' runs the tl kernel")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = longest_document(name, cu_seqlens, q.shape[1])
     scale = default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -137,13 +185,14 @@ def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_s
     elif q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g,
-                                     op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p))
+                                     op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p,
+                                                kernel))
     return (o, lse) if return_lse else o
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None,
                window_size: int | None = None, cu_seqlens: Tensor | None = None, max_seqlen: int | None = None,
-               return_lse: bool = False, dropout_p: float = 0.0, g: Tensor | None = None):
+               return_lse: bool = False, dropout_p: float = 0.0, g: Tensor | None = None, kernel: str = "auto"):
     """Flash attention (Triton), differentiable in q, k, v (and g).
 
     Args:
@@ -169,6 +218,8 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_sca
             sequence (restarting at each document of ``cu_seqlens``), i.e. the sum of g over
             j < l <= i (the Forgetting Transformer's decay; g <= 0 there, any finite value works).
             None runs the plain kernels. Differentiable: g's gradient is returned too.
+        kernel: the forward kernel: "auto" (the Gluon forward on an sm90 GPU where it applies, else
+            the tl kernel), "tl" or "gluon" (module docstring).
 
     Returns:
         o: (B, T, H, D), q's dtype (contiguous); and, if return_lse, lse: (B, H, T) float32 in
@@ -178,13 +229,13 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_sca
     under TRITON_INTERPRET=1. Raises ValueError on invalid inputs.
     """
     return _attend("flash_attn", q, k, v, None, 0, causal, softmax_scale, window_size, cu_seqlens, max_seqlen,
-                   return_lse, dropout_p, g)
+                   return_lse, dropout_p, g, kernel)
 
 
 def flash_attn_qkvpacked(qkv: Tensor, n_head: int, causal: bool = True, softmax_scale: float | None = None,
                          window_size: int | None = None, cu_seqlens: Tensor | None = None,
                          max_seqlen: int | None = None, return_lse: bool = False, dropout_p: float = 0.0,
-                         g: Tensor | None = None):
+                         g: Tensor | None = None, kernel: str = "auto"):
     """:func:`flash_attn` of the q, k and v packed side by side in ``qkv``, differentiable in qkv (and g).
 
     qkv: (B, T, n_head + 2 * H_kv, D): the query heads, then the key heads, then the value heads
@@ -201,7 +252,7 @@ def flash_attn_qkvpacked(qkv: Tensor, n_head: int, causal: bool = True, softmax_
         raise ValueError(f"{name}: qkv's heads axis ({qkv.shape[2]}) must hold n_head ({n_head!r}) query heads "
                          "followed by two equal groups of key and value heads")
     return _attend(name, *split_qkv(qkv, n_head), qkv, n_head, causal, softmax_scale, window_size, cu_seqlens,
-                   max_seqlen, return_lse, dropout_p, g)
+                   max_seqlen, return_lse, dropout_p, g, kernel)
 
 
 def flash_attn_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool = True,

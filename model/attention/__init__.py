@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError, check_positive
-from model.config import AttentionConfig
+from model.config import FLASH_KERNELS, AttentionConfig
 
 # What a row can compute beyond plain causal attention, as the config asks for it: the Backend
 # field that says so, and the keyword option ``attend`` then takes (None: a document mask arrives
@@ -73,8 +73,8 @@ BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
     Backend("tiled", "model.attention.tiled:attend", **ALL_FEATURES),
     Backend("sdpa", "model.attention.sdpa:attend", ring_step="model.attention.ring_steps:SDPA", **ALL_FEATURES),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
-            ring_step="model.attention.ring_steps:FLASH", devices=("cuda",), unavailable="kernels:flash_attn_unavailable",
-            fallback="sdpa", **ALL_FEATURES),
+            ring_step="model.attention.ring_steps:FLASH", tunes=("kernel",), devices=("cuda",),
+            unavailable="kernels:flash_attn_unavailable", fallback="sdpa", **ALL_FEATURES),
 )}
 
 
@@ -110,6 +110,20 @@ def validate_attention(cfg: AttentionConfig) -> None:
     if cfg.window is not None and cfg.window <= 0:
         raise UserError(f"attention.window={cfg.window} must be a positive number of keys (or null for none)")
     check_features(cfg.name, window_in_use(cfg))
+    check_kernel(cfg, window_in_use(cfg))
+
+
+def check_kernel(cfg: AttentionConfig, wanted: Dict[str, str]) -> None:
+    """attention.kernel: one of FLASH_KERNELS, set only for attention=flash, and ``gluon`` (the Hopper
+    forward) only without the features ``wanted`` asks for (it has none of them yet)."""
+    if cfg.kernel not in FLASH_KERNELS:
+        raise UserError(f"attention.kernel={cfg.kernel!r} is not one of {', '.join(FLASH_KERNELS)}")
+    if cfg.kernel != "auto" and cfg.name != "flash":
+        raise UserError(f"attention.kernel={cfg.kernel} picks the flash kernel's forward; it needs attention=flash, "
+                        f"not attention={cfg.name}")
+    if cfg.kernel == "gluon" and wanted:
+        raise UserError(f"attention.kernel=gluon (the Hopper forward) cannot run with {next(iter(wanted.values()))} yet; "
+                        "attention.kernel=auto runs it on the tl kernel")
 
 
 def window_in_use(cfg: AttentionConfig) -> Dict[str, str]:
@@ -152,6 +166,9 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
     if cfg.name not in BACKENDS:
         raise UserError(f"attention={cfg.name!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     name, reason = cfg.name, unavailable_reason(cfg.name, device)
+    if cfg.kernel == "gluon" and (reason or device.type != "cuda"):
+        raise UserError(f"attention.kernel=gluon runs flash's Hopper forward on an H100/H200: "
+                        f"{reason or f'this run uses {device.type}'}; attention.kernel=auto runs the tl kernel")
     if reason:
         fallback = BACKENDS[name].fallback
         if cfg.strict or fallback is None:

@@ -1,0 +1,488 @@
+"""Flash attention for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
+
+**Forward.** Warp-specialised: one program computes 2 * ``FWD_HALF_M`` = 128 query rows of one
+(batch, query head) pair with three partitions: a producer warp that loads both halves' Q tiles and
+then K_j and V_j of every key block into two rings of ``FWD_STAGES`` shared-memory slots (TMA, one
+"ready" mbarrier per slot), and two consumer warpgroups of 64 rows each (the default partition and
+one worker, 240 registers each; the producer 24). Per key block j each consumer runs
+FlashAttention-3's overlap within a warpgroup:
+
+    issue S_j = Q K_j^T             wgmma, both operands in shared memory, fp32 accumulator
+    O = O * alpha_{j-1}             (no wgmma writes O now)
+    issue O += P_{j-1} V_{j-1}      wgmma, P from registers (its dot-operand layout)
+    wait for S_j, release K_j's slot (wgmma groups finish in order; O's keeps running)
+    softmax of S_j: m_j = max(m_{j-1}, rowmax S_j * scale * log2 e), alpha_j = exp2(m_{j-1} - m_j),
+                    P_j = exp2(S_j * scale * log2 e - m_j), l = l * alpha_j + rowsum P_j
+                    (the causal and sequence-end masks only on blocks that reach them)
+    wait for O's wgmma, release V_{j-1}'s slot
+
+A slot's "empty" mbarrier counts both consumers' releases before the producer refills it. The two
+consumers run unsynchronised, so one's softmax overlaps the other's matmuls (on an H100 1.2-1.3x the
+first version, which ran both warpgroups in step behind a CTA barrier per block; an explicit
+ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). At the end O / l and
+lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
+
+**Backward.** One program per ``BWD_BLOCK_N`` keys of a (batch, KV head) (see ``attn_bwd_sm90``).
+
+The inputs are 2-D views (B * T, H * D) of q, k, v (B, T, H|H_kv, D), contiguous: a tile is rows
+[b * T + start, + BLOCK) and columns [head * D, + D). Rows past T belong to the next sequence (or
+lie past the tensor, where TMA fills zeros); the sequence-end mask drops those keys and the stores
+skip those query rows. GQA: query head h reads KV head h // (H / H_kv).
+
+Causal and full attention, bf16/fp16, head dims 64 and 128. No window, packed documents, dropout or
+gate: those calls run on the ``tl`` kernel (forward.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
+FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # each consumer's query rows, keys per block, K/V ring slots
+FWD_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
+AUTO_FORWARD_HEAD_DIMS = (128,)  # where attention.kernel=auto takes this forward (faster than tl's; docs/KERNEL.md)
+# Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
+# (async_copy_global_to_shared until 3.8, removed in 3.9).
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from, IS_CAUSAL: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """One key block's online-softmax step on the raw scores s of keys offs_n = n_start + [0, BLOCK_N):
+    (p, m, l, alpha); masks only where the block reaches key mask_from (the causal diagonal or the
+    sequence's end)."""
+    if n_start + BLOCK_N > mask_from:
+        keep = offs_n[None, :] < T
+        if IS_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _fwd_load(descs, bufs, bars, sizes, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer warp: both halves' Q tiles once, then K_j and V_j of every key block into their
+    rings, each slot refilled once both consumers have released it."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    row0, q_start, head, kv_col, n_blocks, T = sizes
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+        tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_bars.index(half), q_smem.index(half))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait for phase 1
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: query rows [q_start + HALF * HALF_M, + HALF_M) against every key block,
+    FlashAttention-3's overlap within the warpgroup (S_j issued before O += P_{j-1} V_{j-1}); each
+    K/V slot released to the producer as soon as its wgmma is done. The two consumers run unsynchronised,
+    so one's softmax overlaps the other's matmuls."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    q_bars, k_ready, k_empty, v_ready, v_empty = bars
+    row0, q_start, head, kv_col, n_blocks, T = sizes
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_cols: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    m_start = q_start + HALF * HALF_M
+    if IS_CAUSAL:
+        mask_from = gl.minimum(m_start + 1, T)
+    else:
+        mask_from = T
+    offs_m = m_start + gl.arange(0, HALF_M, layout=s_rows)
+    s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+    q = q_smem.index(HALF)
+
+    mbarrier.wait(q_bars.index(HALF), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax_block(s, gl.full([HALF_M], float("-inf"), gl.float32, layout=s_rows),
+                                        gl.zeros([HALF_M], gl.float32, layout=s_rows), offs_m, 0,
+                                        gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale, mask_from, IS_CAUSAL,
+                                        BLOCK_N)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, offs_m, j * BLOCK_N,
+                                            j * BLOCK_N + gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale,
+                                            mask_from, IS_CAUSAL, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    last = (n_blocks - 1) % STAGES
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    batch = row0 // T
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + (batch * H + head) * T + offs_m, lse, mask=offs_m < T)
+    out = acc / gl.convert_layout(l_i, o_rows)[:, None]
+    rows = m_start + gl.arange(0, HALF_M, layout=o_rows)
+    cols = gl.arange(0, HEAD_DIM, layout=o_cols)
+    o_offsets = ((row0 + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(o_ptr + o_offsets, out.to(dtype), mask=(rows < T)[:, None])
+
+
+@gluon.jit
+def _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """A consumer partition; its tiles come from the descriptors' and buffers' shapes (a partition's
+    arguments pass no constexprs)."""
+    _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF, IS_CAUSAL,
+                 descs[1].block_type.shape[1], descs[1].block_type.shape[0], bufs[1].type.shape[0])
+
+
+@gluon.jit
+def _fwd_lo_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, True)
+
+
+@gluon.jit
+def _fwd_hi_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, True)
+
+
+@gluon.jit
+def _fwd_lo_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, False)
+
+
+@gluon.jit
+def _fwd_hi_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, False)
+
+
+@gluon.jit
+def _fwd_load_worker(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
+    _fwd_load(descs, bufs, bars, sizes, descs[1].block_type.shape[1], descs[1].block_type.shape[0],
+              bufs[1].type.shape[0])
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
+                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """The warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
+    q_desc's HALF_M rows each (the default partition and one worker); 2 * HALF_M query rows of one
+    (batch, query head) per program."""
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // H
+    head = pid_bh % H
+    q_start = pid_m * 2 * HALF_M
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(gl.minimum(T, q_start + 2 * HALF_M), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(T, BLOCK_N)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for half in gl.static_range(2):
+        mbarrier.init(q_bars.index(half), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+    descs = (q_desc, k_desc, v_desc)
+    bufs = (q_smem, k_smem, v_smem)
+    bars = (q_bars, k_ready, k_empty, v_ready, v_empty)
+    sizes = (batch * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks, T)
+    worker_args = (descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale)
+    if IS_CAUSAL:
+        gl.warp_specialize([(_fwd_lo_causal, worker_args), (_fwd_hi_causal, worker_args),
+                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([(_fwd_lo_full, worker_args), (_fwd_hi_full, worker_args),
+                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, T, H, GROUP,
+                   sm_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of BLOCK_N keys of one (batch, KV head), summed over the group's query heads, and
+    their share of dQ, added atomically into the fp32 dq (B, T, H, D). Transposed tiles: the keys
+    are the rows (M) of every matmul, so the dK/dV accumulators stay in registers (see
+    ``attn_bwd_sm90``)."""
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)  # b * H_kv + kv head
+    H_KV = H // GROUP
+    batch = pid_bkv // H_KV
+    kv_head = pid_bkv % H_KV
+    k_start = pid_n * BLOCK_N
+    row0 = batch * T
+
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])  # (keys, D)
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                       instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    t_keys: gl.constexpr = gl.SliceLayout(1, t_layout)
+    t_queries: gl.constexpr = gl.SliceLayout(0, t_layout)
+    dtype: gl.constexpr = q_desc.dtype
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
+    tma_load(v_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
+
+    # the (query head, query block) pairs this key block meets, in one sequence of n_steps
+    if IS_CAUSAL:
+        first_m = k_start // BLOCK_M
+    else:
+        first_m = 0
+    m_blocks = gl.cdiv(T, BLOCK_M) - first_m
+    n_steps = GROUP * m_blocks
+    qd_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    mbarrier.expect(bars.index(0), qd_bytes)
+    tma_load(q_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+                                    q_smem.index(0))
+    tma_load(do_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
+                                    do_smem.index(0))
+
+    offs_k = k_start + gl.arange(0, BLOCK_N, layout=t_keys)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    t_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_layout)
+    q_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=q_layout)
+    qk_scale = sm_scale * 1.4426950408889634
+    mbarrier.wait(kv_bar, phase=0)
+    for i in range(n_steps):
+        stage = i % STAGES
+        head = kv_head * GROUP + i // m_blocks
+        q_start = (first_m + i % m_blocks) * BLOCK_M
+        cta_barrier()  # no warp still reads the slot the next copy fills, nor ds_smem
+        if i + 1 < n_steps:
+            nxt = (i + 1) % STAGES
+            next_head = kv_head * GROUP + (i + 1) // m_blocks
+            next_row = row0 + (first_m + (i + 1) % m_blocks) * BLOCK_M
+            mbarrier.expect(bars.index(nxt), qd_bytes)
+            tma_load(q_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt), q_smem.index(nxt))
+            tma_load(do_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt),
+                                            do_smem.index(nxt))
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
+        in_seq = offs_q < T
+        lse2 = gl.load(lse_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0) * 1.4426950408889634
+        delta = gl.load(delta_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0)
+        mbarrier.wait(bars.index(stage), phase=(i // STAGES) & 1)
+
+        st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+        keep = in_seq[None, :] & (offs_k[:, None] < T)
+        if IS_CAUSAL:
+            keep = keep & (offs_q[None, :] >= offs_k[:, None])
+        pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(stage), dv, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dv, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dpt))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_smem.index(stage), dk, is_async=True)
+        ds_smem.store(dst)
+        fence_async_shared()
+        cta_barrier()  # every warp's part of dS^T is in shared memory before the dQ matmul reads it
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, q_zero, use_acc=False, is_async=True)
+        dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
+        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+        dq_offsets = ((row0 + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
+        gl.atomic_add(dq_ptr + dq_offsets, dq * sm_scale, mask=(rows < T)[:, None])
+
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    rows = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    kv_offsets = ((row0 + rows) * H_KV + kv_head)[:, None] * HEAD_DIM + cols[None, :]
+    kv_mask = (rows < T)[:, None]
+    gl.store(dk_ptr + kv_offsets, (dk * sm_scale).to(dtype), mask=kv_mask)
+    gl.store(dv_ptr + kv_offsets, dv.to(dtype), mask=kv_mask)
+
+
+def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
+    """The PTX of the forward (kernel "fwd") or backward ("bwd") compiled for sm90a at the launch's
+    tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
+    "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library functions are
+    interpreted otherwise)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
+        return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
+
+    if kernel == "fwd":
+        fn, rows_q, rows_kv = _attn_fwd_sm90, FWD_HALF_M, FWD_BLOCK_N
+        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
+        scalars = {"qk_scale": "fp32"}
+        options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
+        constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
+    else:
+        fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
+        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
+                    "dv_ptr": f"*{dtype}"}
+        scalars = {"sm_scale": "fp32"}
+        options = {"num_warps": 8}
+        constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
+                      "num_warps": 8}
+    descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
+    if kernel == "bwd":
+        descriptors["do_desc"] = descriptor(rows_q)
+    signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
+                 **{key: "constexpr" for key in constexprs}}
+    source = GluonASTSource(fn, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def tma_view(x):
+    """(B, T, H, D) x as the 2-D view (B * T, H * D) a tensor descriptor reads, or None where x's
+    strides do not allow one (D not contiguous, heads not adjacent, batches not T rows apart) or TMA's
+    16-byte alignment of the base and the row stride fails."""
+    B, T, H, D = x.shape
+    row = x.stride(1)
+    if x.stride(3) != 1 or x.stride(2) != D or (B > 1 and x.stride(0) != T * row):
+        return None
+    if (x.data_ptr() % 16) or (row * x.element_size()) % 16:
+        return None
+    return x.as_strided((B * T, H * D), (row, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def is_sm90(device_index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | None:
+    """Why this call cannot run on the Hopper forward (None: it can)."""
+    import torch
+
+    if not (q.is_cuda and is_sm90(q.device.index or 0)):
+        return "needs an sm90 GPU (H100/H200)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"takes fp16/bf16, not {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"takes head dims {HEAD_DIMS}, not {q.shape[-1]}"
+    if window or cu_seqlens is not None or dropout_p or g is not None:
+        return "has no window, packed documents, dropout or gate yet"
+    if any(tma_view(x) is None for x in (q, k, v)):
+        return "needs (B, T, H, D) inputs whose heads and rows TMA can read (16-byte aligned, D contiguous)"
+    return None
+
+
+def descriptor(x, rows: int):
+    """The TMA descriptor of x's 2-D view (:func:`tma_view`) in tiles of ``rows`` x D."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    view, D = tma_view(x), x.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+
+
+def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
+    """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
+    q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
+    (B, H, T) float32, natural log."""
+    import torch
+
+    B, T, H, D = q.shape
+    o = q.new_empty((B, T, H, D))
+    lse = q.new_empty((B, H, T), dtype=torch.float32)
+    if B * T == 0:
+        return o, lse
+    grid = (-(-T // (2 * FWD_HALF_M)), B * H)
+    _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N), o, lse,
+                         T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
+                         num_warps=4, maxnreg=FWD_MAXNREG)
+    return o, lse
+
+
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
+    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
+    contiguous, in q's dtype. delta = rowsum(dO * O) and the fp32 dq the kernel adds into are made
+    here (torch); lse: (B, H, T) float32, natural log, as the forward wrote it."""
+    import torch
+
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    dk, dv = k.new_empty((B, T, H_kv, D)), v.new_empty((B, T, H_kv, D))
+    dq = torch.zeros((B, T, H, D), device=q.device, dtype=torch.float32)
+    if B * T == 0:
+        return dq.to(q.dtype), dk, dv
+    do = do if tma_view(do) is not None else do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+
+    grid = (-(-T // BWD_BLOCK_N), B * H_kv)
+    _attn_bwd_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_BLOCK_N), descriptor(v, BWD_BLOCK_N),
+                         descriptor(do, BWD_BLOCK_M), lse.contiguous(), delta, dq, dk, dv, T, H, H // H_kv,
+                         softmax_scale, bool(causal), BWD_BLOCK_M, BWD_BLOCK_N, D, 2, num_warps=8)
+    return dq.to(q.dtype), dk, dv

@@ -1,0 +1,187 @@
+"""The Hopper kernels in Gluon (kernels/flash_attention/hopper.py) and the switch that picks them
+(``flash_attn(kernel=...)``, ``attention.kernel``).
+
+On CPU: the kernel compiles for sm90a (``GPUTarget("cuda", 90, 32)``; Gluon has no interpreter) at
+every head dim and dtype it takes, and its PTX holds the wgmma and TMA instructions it is written
+with. On an sm90 GPU: o and lse against a float64 reference, bounded by twice the error of the same
+reference computed in the inputs' precision plus an atol, over causal and full attention, GQA, odd
+T and q, k, v read from a packed qkv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from errors import UserError
+from kernels.flash_attention import flash_attn, flash_attn_qkvpacked, hopper
+from kernels.flash_attention.reference import attention_ref
+from model.attention import build_attention, check_kernel, validate_attention
+from model.attention.flash import forward_kernel
+from model.config import AttentionConfig
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+ATOL = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sm90_ptx() -> dict:
+    """{(kernel, head dim, dtype, causal): PTX} of every variant, compiled in one child process without
+    TRITON_INTERPRET (which the CPU suite sets, and which turns triton's library into interpreted code)."""
+    variants = [(k, d, t, c) for k in ("fwd", "bwd") for d in hopper.HEAD_DIMS for t in ("bf16", "fp16")
+                for c in (True, False)]
+    code = ("import json, sys; from kernels.flash_attention.hopper import compile_for_sm90; "
+            f"print(json.dumps([compile_for_sm90(*v) for v in {variants!r}]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip(variants, json.loads(proc.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_kernels_compile_for_sm90_with_wgmma_and_tma(sm90_ptx, kernel, head_dim, dtype, causal):
+    """The forward is warp-specialised (its partitions set their registers: setmaxnreg) and signals on
+    mbarriers; the backward synchronises its warps with a CTA barrier."""
+    ptx = sm90_ptx[(kernel, head_dim, dtype, causal)]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    if kernel == "fwd":
+        assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx and "mbarrier.arrive" in ptx
+    else:
+        assert "bar.sync" in ptx
+
+
+def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
+    qkv = torch.randn(2, 5, 3 * 4, 64)
+    q, k, _ = qkv.split([4, 4, 4], dim=2)
+    view = hopper.tma_view(q)
+    assert view.shape == (10, 256) and torch.equal(view.view(2, 5, 4, 64), q)
+    assert torch.equal(hopper.tma_view(k).view(2, 5, 4, 64), k)
+    assert hopper.tma_view(q.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads not adjacent
+    assert hopper.tma_view(torch.randn(1, 5, 4, 65)[..., :64]) is None  # D not the head stride
+    assert hopper.tma_view(torch.randn(5 * 4 * 64 + 1)[1:].view(1, 5, 4, 64)) is None  # base 4 bytes off 16
+
+
+def test_calls_off_the_hopper_path_say_why():
+    q = torch.randn(1, 8, 2, 64)
+    assert "sm90" in hopper.unsupported(q, q, q, 0, None, 0.0, None)
+
+
+def test_the_kernel_switch_refuses_in_one_line_what_it_cannot_run():
+    q = torch.randn(1, 8, 2, 64, device="cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():  # with CUDA, CPU tensors are refused before the kernel is picked
+        with pytest.raises(ValueError, match="kernel='gluon': the Hopper forward needs an sm90 GPU"):
+            flash_attn(q, q, q, kernel="gluon")
+    with pytest.raises(ValueError, match="kernel='fast' is not one of auto, tl, gluon"):
+        flash_attn(q, q, q, kernel="fast")
+    with pytest.raises(UserError, match="attention.kernel='fast' is not one of auto, tl, gluon"):
+        validate_attention(AttentionConfig(name="flash", kernel="fast"))
+    with pytest.raises(UserError, match="needs attention=flash, not attention=sdpa"):
+        validate_attention(AttentionConfig(name="sdpa", kernel="gluon"))
+    with pytest.raises(UserError, match="cannot run with attention.window=8 yet"):
+        validate_attention(AttentionConfig(name="flash", kernel="gluon", window=8))
+    with pytest.raises(UserError, match="cannot run with model.gate=forget yet"):
+        check_kernel(AttentionConfig(name="flash", kernel="gluon"), {"gate": "model.gate=forget"})
+    check_kernel(AttentionConfig(name="flash", kernel="tl"), {"gate": "model.gate=forget"})
+
+
+def test_a_forced_gluon_forward_is_refused_off_the_gpu_instead_of_falling_back():
+    with pytest.raises(UserError, match="attention.kernel=gluon runs flash's Hopper forward on an H100/H200: "):
+        build_attention(AttentionConfig(name="flash", kernel="gluon"), torch.device("cpu"))
+
+
+def test_auto_takes_the_gluon_forward_where_it_is_faster_and_the_tl_backward(monkeypatch):
+    """On a call the Hopper kernels take: auto runs the Gluon forward at head dim 128 only; gluon at
+    both head dims; the backward of auto is the tl one (function.py runs the Gluon backward for
+    kernel="gluon" only)."""
+    from kernels.flash_attention import function
+
+    monkeypatch.setattr(function, "hopper_refusal", lambda *args: "")
+    q64, q128 = torch.empty(1, 1, 2, 64), torch.empty(1, 1, 2, 128)
+    choice = {(kernel, q.shape[-1]): function.forward_choice(kernel, q, q, q, 0, None, 0.0, None)
+              for kernel in ("auto", "gluon", "tl") for q in (q64, q128)}
+    assert choice == {("auto", 64): "tl", ("auto", 128): "gluon", ("gluon", 64): "gluon", ("gluon", 128): "gluon",
+                      ("tl", 64): "tl", ("tl", 128): "tl"}
+    assert hopper.AUTO_FORWARD_HEAD_DIMS == (128,)
+
+
+def test_auto_runs_the_tl_kernel_off_hopper():
+    assert forward_kernel("auto", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
+    assert forward_kernel("tl", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
+
+
+def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if packed:
+        qkv = torch.randn(B, T, H + 2 * H_kv, D, device="cuda", dtype=dtype, generator=gen)
+        return qkv.split([H, H_kv, H_kv], dim=2)
+    return tuple(torch.randn(B, T, h, D, device="cuda", dtype=dtype, generator=gen) for h in (H, H_kv, H_kv))
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("B, T, H, H_kv, D, packed", [
+    (2, 256, 4, 4, 64, False), (1, 1000, 4, 2, 128, False), (3, 77, 6, 2, 64, True), (1, 2049, 2, 1, 128, True),
+    (2, 130, 8, 8, 128, False),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal):
+    """o and lse of the forward (bound: 2x the error of the reference computed in the inputs'
+    precision, plus an atol), dq, dk, dv of the backward (3x, as the tl kernel's tests)."""
+    q, k, v = _inputs(B, T, H, H_kv, D, dtype, packed)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=dtype)
+    assert hopper.unsupported(q, k, v, 0, None, 0.0, None) is None
+    scale = D ** -0.5
+    o, lse = hopper.attn_fwd_sm90(q, k, v, scale, causal)
+    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal)
+
+    def reference(compute_dtype):
+        ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o_ref, lse_ref = attention_ref(*ins, causal=causal, softmax_scale=scale, compute_dtype=compute_dtype)
+        return (o_ref, lse_ref, *torch.autograd.grad(o_ref, ins, do.to(o_ref.dtype)))
+
+    truth, low = reference(torch.float64), reference(None)
+    failures = []
+    for i, (name, out, factor) in enumerate(zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), (2, 2, 3, 3, 3))):
+        assert out.shape == truth[i].shape, name
+        err, bound = _max_err(out, truth[i]), factor * _max_err(low[i], truth[i]) + ATOL[dtype]
+        if not torch.isfinite(out).all() or err > bound:
+            failures.append(f"{name}: max err {err:.3e} > {bound:.3e}")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(causal):
+    """kernel="gluon" (and "auto" here) run the Hopper kernels, packed or not; output and gradients
+    match those of kernel="tl" to bf16 rounding."""
+    q, k, v = (x.requires_grad_() for x in _inputs(2, 300, 4, 2, 128, torch.bfloat16, False))
+    do = torch.randn_like(q)
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, False) == "gluon"
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, False) == "tl"
+    results = {}
+    for kernel in ("gluon", "auto", "tl"):
+        o = flash_attn(q, k, v, causal=causal, kernel=kernel)
+        results[kernel] = (o, *torch.autograd.grad(o, (q, k, v), do))
+    assert torch.equal(results["auto"][0], results["gluon"][0])  # auto's forward is the Gluon one
+    for name in ("gluon", "auto"):
+        for a, b in zip(results[name], results["tl"]):
+            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2
+    qkv = torch.cat([q, k, v], dim=2).detach().requires_grad_()
+    packed = {kernel: flash_attn_qkvpacked(qkv, 4, causal=causal, kernel=kernel) for kernel in ("gluon", "tl")}
+    dqkv = {kernel: torch.autograd.grad(o, qkv, do)[0] for kernel, o in packed.items()}
+    assert (dqkv["gluon"].float() - dqkv["tl"].float()).abs().max().item() <= 2e-2 * dqkv["tl"].float().abs().max().item() + 1e-2
