@@ -438,6 +438,7 @@ def attn_bwd(
     g: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     tiles: dict | None = None,
+    dkdv_launch=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the dQ kernel, then the dK/dV kernel (and with a gate the scan that makes dg).
 
@@ -447,6 +448,8 @@ def attn_bwd(
     out: None (new contiguous dq like q, dk like k, dv like v), or (dq, dk, dv) to write in place
     (any T and H strides, last dim contiguous: the packed layout passes three views of one
     gradient buffer). tiles: None (the tuners' picks) or {"dq": TileConfig, "dkdv": TileConfig}.
+    dkdv_launch: None, or ``f(q, k, v, do, lse, delta, dk, dv)`` launching another dK/dV kernel in
+    place of this file's (the Hopper one, hopper.py), after the dQ kernel wrote delta.
     Returns dq, dk, dv and dg: (B, T, H) float32, or None without a gate.
     """
     if do.stride(-1) != 1:
@@ -476,6 +479,9 @@ def attn_bwd(
     DQ.launch(max_len, (n_seq, H), (q, k, v, o, do, lse, dlse, delta, dq, cu_seqlens, rng, c_hi, c_lo, dc),
               (*scalars, *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *shape_flags, dlse is not None,
                *path_flags), tiles["dq"] if tiles else None)
+    if dkdv_launch is not None:
+        dkdv_launch(q, k, v, do, lse, delta, dk, dv)
+        return dq, dk, dv, None
     DKDV.launch(max_len, (n_seq, H_kv), (q, k, v, do, lse, delta, dk, dv, cu_seqlens, rng, c_hi, c_lo, dc),
                 (*scalars, *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], *shape_flags, *path_flags),
                 tiles["dkdv"] if tiles else None)

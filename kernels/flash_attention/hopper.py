@@ -363,6 +363,166 @@ def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
     gl.store(dv_ptr + kv_offsets, dv.to(dtype), mask=kv_mask)
 
 
+@gluon.jit
+def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
+    """The backward's producer warp: both halves of the key block's K and V once, then Q and dO of
+    every (query head, query block) step into a ring, each slot refilled once both consumers released it."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    k_smem, v_smem, q_smem, do_smem = bufs
+    kv_bar, ready, empty = bars
+    row0, k_start, kv_head, group, first_m, m_blocks, T, H = sizes
+    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, k_smem.index(half))
+        tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, v_smem.index(half))
+    for i in range(group * m_blocks):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        head = kv_head * group + i // m_blocks
+        row = row0 + (first_m + i % m_blocks) * BLOCK_M
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [row, head * HEAD_DIM], ready.index(slot), q_smem.index(slot))
+        tma_load(do_desc, [row, head * HEAD_DIM], ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One consumer warpgroup: dK and dV of keys [k_start + HALF * HALF_N, + HALF_N), summed over the
+    steps' query blocks; keys are the rows of every matmul (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO,
+    dK += dSᵀ Q), so both accumulators stay in registers."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    k_smem, v_smem, q_smem, do_smem = bufs
+    kv_bar, ready, empty = bars
+    row0, k_start, kv_head, group, first_m, m_blocks, T, H = sizes
+    lse_ptr, delta_ptr, dk_ptr, dv_ptr = ptrs
+    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    STAGES: gl.constexpr = q_smem.type.shape[0]
+    dtype: gl.constexpr = q_desc.dtype
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])  # (keys, D)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    t_keys: gl.constexpr = gl.SliceLayout(1, t_layout)
+    t_queries: gl.constexpr = gl.SliceLayout(0, t_layout)
+
+    k_lo = k_start + HALF * HALF_N
+    batch = row0 // T
+    qk_scale = sm_scale * 1.4426950408889634
+    offs_k = k_lo + gl.arange(0, HALF_N, layout=t_keys)
+    k = k_smem.index(HALF)
+    v = v_smem.index(HALF)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(group * m_blocks):
+        slot = i % STAGES
+        head = kv_head * group + i // m_blocks
+        q_start = (first_m + i % m_blocks) * BLOCK_M
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
+        in_seq = offs_q < T
+        rows = (batch * H + head) * T + offs_q
+        lse2 = gl.load(lse_ptr + rows, mask=in_seq, other=0.0) * 1.4426950408889634
+        delta = gl.load(delta_ptr + rows, mask=in_seq, other=0.0)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        edge = q_start + BLOCK_M > T or k_lo + HALF_N > T
+        if IS_CAUSAL:
+            edge = edge or q_start < k_lo + HALF_N
+        if edge:  # the causal diagonal or the sequence's end crosses this tile
+            keep = in_seq[None, :] & (offs_k[:, None] < T)
+            if IS_CAUSAL:
+                keep = keep & (offs_q[None, :] >= offs_k[:, None])
+            pt = gl.where(keep, pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
+    keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    offsets = ((row0 + keys) * (H // group) + kv_head)[:, None] * HEAD_DIM + cols[None, :]
+    inside = (keys < T)[:, None]
+    gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=inside)
+    gl.store(dv_ptr + offsets, dv.to(dtype), mask=inside)
+
+
+@gluon.jit
+def _dkdv_lo_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True)
+
+
+@gluon.jit
+def _dkdv_hi_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True)
+
+
+@gluon.jit
+def _dkdv_lo_full(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False)
+
+
+@gluon.jit
+def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, GROUP,
+                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
+    program, a producer warp and two consumer warpgroups of HALF_N keys each."""
+    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)
+    H_KV = H // GROUP
+    batch = pid_bkv // H_KV
+    kv_head = pid_bkv % H_KV
+    k_start = pid_n * 2 * HALF_N
+    if IS_CAUSAL:
+        first_m = k_start // BLOCK_M
+    else:
+        first_m = 0
+    m_blocks = gl.cdiv(T, BLOCK_M) - first_m
+    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+    args = ((q_desc, k_desc, v_desc, do_desc), (k_smem, v_smem, q_smem, do_smem), (kv_bar, ready, empty),
+            (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H), (lse_ptr, delta_ptr, dk_ptr, dv_ptr),
+            sm_scale)
+    if IS_CAUSAL:
+        gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
+                           [240, 24])
+    else:
+        gl.warp_specialize([(_dkdv_lo_full, args), (_dkdv_hi_full, args), (_dkdv_load, args)], [4, 1], [240, 24])
+
+
 def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
     """The PTX of the forward (kernel "fwd") or backward ("bwd") compiled for sm90a at the launch's
     tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
@@ -384,6 +544,12 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         scalars = {"qk_scale": "fp32"}
         options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
         constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
+    elif kernel == "dkdv":
+        fn, rows_q, rows_kv = _attn_bwd_dkdv_sm90, BWD_BLOCK_M, BWD_BLOCK_N // 2
+        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
+        scalars = {"sm_scale": "fp32"}
+        options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
+        constexprs = {"IS_CAUSAL": causal, "STAGES": 2}
     else:
         fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
@@ -393,7 +559,7 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
                       "num_warps": 8}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
-    if kernel == "bwd":
+    if kernel in ("bwd", "dkdv"):
         descriptors["do_desc"] = descriptor(rows_q)
     signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
@@ -466,7 +632,28 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     return o, lse
 
 
-def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, block_m: int = BWD_BLOCK_M):
+    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
+    contiguous, in q's dtype. dQ and delta = rowsum(dO * O) come from the tl dQ kernel
+    (backward.attn_bwd), dK and dV from the warp-specialised Gluon kernel; lse: (B, H, T) float32,
+    natural log, as the forward wrote it. block_m: the query rows of each dK/dV step."""
+    from .backward import attn_bwd
+
+    do = do if tma_view(do) is not None else do.contiguous()
+
+    def dkdv(q, k, v, do, lse, delta, dk, dv):
+        B, T, H, D = q.shape
+        half_n = BWD_BLOCK_N // 2
+        grid = (-(-T // BWD_BLOCK_N), B * k.shape[2])
+        _attn_bwd_dkdv_sm90[grid](descriptor(q, block_m), descriptor(k, half_n), descriptor(v, half_n),
+                                  descriptor(do, block_m), lse, delta, dk, dv, T, H, H // k.shape[2], softmax_scale,
+                                  bool(causal), 2, num_warps=4, maxnreg=FWD_MAXNREG)
+
+    dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, dkdv_launch=dkdv)
+    return dq, dk, dv
+
+
+def attn_bwd_sm90_atomic(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
     """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
     contiguous, in q's dtype. delta = rowsum(dO * O) and the fp32 dq the kernel adds into are made
     here (torch); lse: (B, H, T) float32, natural log, as the forward wrote it."""
