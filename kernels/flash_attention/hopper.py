@@ -364,6 +364,37 @@ def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, 
 
 
 @gluon.jit
+def _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr, delta_ptr, BLOCK_M: gl.constexpr,
+               layout: gl.constexpr):
+    """Step i's query block: (its first row, the rows, which lie in the sequence, lse * log2 e, delta)."""
+    head = kv_head * group + i // m_blocks
+    q_start = (first_m + i % m_blocks) * BLOCK_M
+    offs_q = q_start + gl.arange(0, BLOCK_M, layout=layout)
+    in_seq = offs_q < T
+    rows = (batch * H + head) * T + offs_q
+    lse2 = gl.load(lse_ptr + rows, mask=in_seq, other=0.0) * 1.4426950408889634
+    delta = gl.load(delta_ptr + rows, mask=in_seq, other=0.0)
+    return q_start, offs_q, in_seq, lse2, delta
+
+
+@gluon.jit
+def _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL: gl.constexpr,
+                HALF_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Pᵀ (keys, queries) of the raw scores Sᵀ; masked only where the causal diagonal or the sequence's end
+    crosses the tile."""
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    edge = q_start + BLOCK_M > T or k_lo + HALF_N > T
+    if IS_CAUSAL:
+        edge = edge or q_start < k_lo + HALF_N
+    if edge:
+        keep = in_seq[None, :] & (offs_k[:, None] < T)
+        if IS_CAUSAL:
+            keep = keep & (offs_q[None, :] >= offs_k[:, None])
+        pt = gl.where(keep, pt, 0.0)
+    return pt
+
+
+@gluon.jit
 def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     """The backward's producer warp: both halves of the key block's K and V once, then Q and dO of
     every (query head, query block) step into a ring, each slot refilled once both consumers released it."""
@@ -375,10 +406,10 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, k_smem.index(half))
-        tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, v_smem.index(half))
+        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar.index(0), k_smem.index(half))
+        tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar.index(0), v_smem.index(half))
     for i in range(group * m_blocks):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
@@ -421,37 +452,52 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
-    mbarrier.wait(kv_bar, 0)
-    for i in range(group * m_blocks):
-        slot = i % STAGES
-        head = kv_head * group + i // m_blocks
-        q_start = (first_m + i % m_blocks) * BLOCK_M
-        offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
-        in_seq = offs_q < T
-        rows = (batch * H + head) * T + offs_q
-        lse2 = gl.load(lse_ptr + rows, mask=in_seq, other=0.0) * 1.4426950408889634
-        delta = gl.load(delta_ptr + rows, mask=in_seq, other=0.0)
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        q = q_smem.index(slot)
-        do = do_smem.index(slot)
-        st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
-        edge = q_start + BLOCK_M > T or k_lo + HALF_N > T
-        if IS_CAUSAL:
-            edge = edge or q_start < k_lo + HALF_N
-        if edge:  # the causal diagonal or the sequence's end crosses this tile
-            keep = in_seq[None, :] & (offs_k[:, None] < T)
-            if IS_CAUSAL:
-                keep = keep & (offs_q[None, :] >= offs_k[:, None])
-            pt = gl.where(keep, pt, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(slot), count=1)
+    PIPELINED: gl.constexpr = kv_bar.type.shape[0] == 2
+    mbarrier.wait(kv_bar.index(0), 0)
+    n_steps = group * m_blocks
+    if PIPELINED:
+        q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(0, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr,
+                                                          delta_ptr, BLOCK_M, t_queries)
+        mbarrier.wait(ready.index(0), 0)
+        st = warpgroup_mma(k, q_smem.index(0).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do_smem.index(0).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        for i in range(n_steps):
+            slot = i % STAGES
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+            # the next step's score matmuls queue behind this step's dV and dK (the last step repeats its own:
+            # one wasted pair, so that every value the loop carries is a finished tensor)
+            nxt = gl.minimum(i + 1, n_steps - 1)
+            q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(nxt, m_blocks, first_m, kv_head, group, batch, H, T,
+                                                              lse_ptr, delta_ptr, BLOCK_M, t_queries)
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            st = warpgroup_mma(k, q_smem.index(nxt % STAGES).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do_smem.index(nxt % STAGES).permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dv, dk, st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, st, dpt))
+            mbarrier.arrive(empty.index(slot), count=1)
+    else:
+        for i in range(n_steps):
+            slot = i % STAGES
+            q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T,
+                                                              lse_ptr, delta_ptr, BLOCK_M, t_queries)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+            pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(slot), count=1)
 
     kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
@@ -484,7 +530,7 @@ def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, GROUP,
-                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, PIPELINED: gl.constexpr):
     """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
     program, a producer warp and two consumer warpgroups of HALF_N keys each."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -506,10 +552,10 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2 if PIPELINED else 1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_bar.index(0), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
@@ -549,7 +595,7 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
         scalars = {"sm_scale": "fp32"}
         options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
-        constexprs = {"IS_CAUSAL": causal, "STAGES": 2}
+        constexprs = {"IS_CAUSAL": causal, "STAGES": 2, "PIPELINED": True}
     else:
         fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
@@ -632,7 +678,8 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     return o, lse
 
 
-def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, block_m: int = BWD_BLOCK_M):
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, block_m: int = BWD_BLOCK_M,
+                  pipelined: bool = True):
     """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
     contiguous, in q's dtype. dQ and delta = rowsum(dO * O) come from the tl dQ kernel
     (backward.attn_bwd), dK and dV from the warp-specialised Gluon kernel; lse: (B, H, T) float32,
@@ -647,7 +694,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, block
         grid = (-(-T // BWD_BLOCK_N), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, block_m), descriptor(k, half_n), descriptor(v, half_n),
                                   descriptor(do, block_m), lse, delta, dk, dv, T, H, H // k.shape[2], softmax_scale,
-                                  bool(causal), 2, num_warps=4, maxnreg=FWD_MAXNREG)
+                                  bool(causal), 2, pipelined, num_warps=4, maxnreg=FWD_MAXNREG)
 
     dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, dkdv_launch=dkdv)
     return dq, dk, dv
