@@ -50,15 +50,12 @@ def sm90_ptx() -> dict:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_the_kernels_compile_for_sm90_with_wgmma_and_tma(sm90_ptx, kernel, head_dim, dtype, causal):
-    """The forward is warp-specialised (its partitions set their registers: setmaxnreg) and signals on
-    mbarriers; the backward synchronises its warps with a CTA barrier."""
+    """Both kernels are warp-specialised (their partitions set their registers: setmaxnreg) and
+    signal on mbarriers."""
     ptx = sm90_ptx[(kernel, head_dim, dtype, causal)]
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    if kernel == "fwd":
-        assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx and "mbarrier.arrive" in ptx
-    else:
-        assert "bar.sync" in ptx
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx and "mbarrier.arrive" in ptx
 
 
 def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
@@ -100,19 +97,18 @@ def test_a_forced_gluon_forward_is_refused_off_the_gpu_instead_of_falling_back()
         build_attention(AttentionConfig(name="flash", kernel="gluon"), torch.device("cpu"))
 
 
-def test_auto_takes_the_gluon_forward_where_it_is_faster_and_the_tl_backward(monkeypatch):
-    """On a call the Hopper kernels take: auto runs the Gluon forward at head dim 128 only; gluon at
-    both head dims; the backward of auto is the tl one (function.py runs the Gluon backward for
-    kernel="gluon" only)."""
+def test_auto_takes_the_hopper_kernels_where_they_are_faster(monkeypatch):
+    """On a call the Hopper kernels take: auto runs them (forward and backward) at head dim 128 only;
+    gluon at both head dims."""
     from kernels.flash_attention import function
 
     monkeypatch.setattr(function, "hopper_refusal", lambda *args: "")
     q64, q128 = torch.empty(1, 1, 2, 64), torch.empty(1, 1, 2, 128)
-    choice = {(kernel, q.shape[-1]): function.forward_choice(kernel, q, q, q, 0, None, 0.0, None)
+    choice = {(kernel, q.shape[-1]): function.kernel_choice(kernel, q, q, q, 0, None, 0.0, None)
               for kernel in ("auto", "gluon", "tl") for q in (q64, q128)}
     assert choice == {("auto", 64): "tl", ("auto", 128): "gluon", ("gluon", 64): "gluon", ("gluon", 128): "gluon",
                       ("tl", 64): "tl", ("tl", 128): "tl"}
-    assert hopper.AUTO_FORWARD_HEAD_DIMS == (128,)
+    assert hopper.AUTO_HEAD_DIMS == (128,)
 
 
 def test_auto_runs_the_tl_kernel_off_hopper():
@@ -177,10 +173,10 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
     for kernel in ("gluon", "auto", "tl"):
         o = flash_attn(q, k, v, causal=causal, kernel=kernel)
         results[kernel] = (o, *torch.autograd.grad(o, (q, k, v), do))
-    assert torch.equal(results["auto"][0], results["gluon"][0])  # auto's forward is the Gluon one
-    for name in ("gluon", "auto"):
-        for a, b in zip(results[name], results["tl"]):
-            assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2
+    for a, b in zip(results["auto"], results["gluon"]):  # at D = 128 auto runs the Hopper kernels
+        assert torch.equal(a, b)
+    for a, b in zip(results["gluon"], results["tl"]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2
     qkv = torch.cat([q, k, v], dim=2).detach().requires_grad_()
     packed = {kernel: flash_attn_qkvpacked(qkv, 4, causal=causal, kernel=kernel) for kernel in ("gluon", "tl")}
     dqkv = {kernel: torch.autograd.grad(o, qkv, do)[0] for kernel, o in packed.items()}

@@ -10,12 +10,13 @@
   returns qkv's gradient as one tensor (dk, dv None), so nothing concatenates dq, dk and dv.
 - Autograd: one :class:`FlashAttnFunction` around the pair (FlashAttention's
   ``flash_attn_interface.py`` is built the same way).
-- Kernels (``kernel=``): ``auto`` runs the Gluon forward for sm90 (``hopper.py``) where it is the
-  faster one and takes the call (an H100/H200, fp16/bf16, D 128, no window, documents, dropout or
-  gate) and the ``tl`` kernels everywhere else, the backward included (the Gluon backward is slower
-  than the ``tl`` one; both read the same o and lse). ``gluon`` forces the Gluon forward and backward
-  (D 64 or 128; it refuses a call it cannot take, and a backward with a gradient of lse runs on the
-  ``tl`` kernels); ``tl`` forces the ``tl`` kernels.
+- Kernels (``kernel=``): ``auto`` runs the Hopper kernels (``hopper.py``: the Gluon forward, and
+  the backward of the ``tl`` dQ kernel and the Gluon dK/dV kernel) where they are the faster ones and
+  take the call (an H100/H200, fp16/bf16, D 128, no window, documents, dropout or gate; for the
+  backward also no gradient of lse) and the ``tl`` kernels everywhere else; both forwards write the
+  o and lse either backward reads. ``gluon`` forces the Hopper kernels (D 64 or 128; it refuses a call
+  they cannot take, and a backward with a gradient of lse runs on the ``tl`` kernels); ``tl`` forces
+  the ``tl`` kernels.
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
   them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
   binary Triton picked for an earlier call with the same arguments: ``launch.py``).
@@ -83,11 +84,12 @@ def hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g) -> str:
     return missing or hopper.unsupported(q, k, v, window, cu_seqlens, dropout_p, g) or ""
 
 
-def forward_choice(kernel: str, q, k, v, window, cu_seqlens, dropout_p, g) -> str:
-    """The forward ``kernel=`` gives this call: "gluon" or "tl" (module docstring)."""
+def kernel_choice(kernel: str, q, k, v, window, cu_seqlens, dropout_p, g) -> str:
+    """The kernels ``kernel=`` gives this call, forward and backward alike: "gluon" or "tl" (module
+    docstring)."""
     if kernel == "tl" or hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g):
         return "tl"
-    return "gluon" if kernel == "gluon" or q.shape[-1] in hopper_module()[0].AUTO_FORWARD_HEAD_DIMS else "tl"
+    return "gluon" if kernel == "gluon" or q.shape[-1] in hopper_module()[0].AUTO_HEAD_DIMS else "tl"
 
 
 def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
@@ -95,7 +97,7 @@ def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):
     n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
     if k is None:
         q, k, v = split_qkv(q, n_head)
-    if forward_choice(kernel, q, k, v, window, cu_seqlens, dropout_p, g) == "gluon":
+    if kernel_choice(kernel, q, k, v, window, cu_seqlens, dropout_p, g) == "gluon":
         return hopper_module()[0].attn_fwd_sm90(q, k, v, softmax_scale, causal)
     return attn_fwd(q, k, v, softmax_scale, causal, window, cu_seqlens, max_seqlen, rng, dropout_p, g)
 
@@ -110,9 +112,9 @@ def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
     qkv, None, None and dg."""
     n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
-    if kernel == "gluon" and dlse is None:
+    if dlse is None:
         qkv_views = split_qkv(q, n_head) if k is None else (q, k, v)
-        if not hopper_refusal(*qkv_views, window, cu_seqlens, dropout_p, g):
+        if kernel_choice(kernel, *qkv_views, window, cu_seqlens, dropout_p, g) == "gluon":
             dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, *qkv_views, o, lse, softmax_scale, causal)
             return (torch.cat([dq, dk, dv], dim=2), None, None, None) if k is None else (dq, dk, dv, None)
     if k is None:

@@ -22,7 +22,21 @@ first version, which ran both warpgroups in step behind a CTA barrier per block;
 ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). At the end O / l and
 lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
 
-**Backward.** One program per ``BWD_BLOCK_N`` keys of a (batch, KV head) (see ``attn_bwd_sm90``).
+**Backward.** The ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)), then a
+warp-specialised dK/dV kernel: one program per 2 * ``BWD_HALF_N`` = 128 keys of one (batch, KV
+head), a producer warp that loads both halves' K and V once and then Q and dO of every (query head,
+``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, and two consumer
+warpgroups of 64 keys each. Keys are the rows of every matmul, so dK and dV stay in registers:
+
+    issue S^T = K Q^T and dP^T = V dO^T     wgmma, operands in shared memory
+    wait for S^T: P^T = exp2(S^T * scale * log2 e - lse * log2 e)   (masked where the diagonal or the end crosses)
+    issue dV += P^T dO                     P^T from registers
+    wait for dP^T: dS^T = P^T (dP^T - delta)
+    issue dK += dS^T Q, wait for both, release the slot
+
+No dQ here, so no atomics (the first Gluon backward added dQ = dS K atomically into an fp32 buffer:
+4-5x slower). Queuing the next step's score matmuls behind dV and dK, and 32-row query steps,
+measured no faster (docs/KERNEL.md).
 
 The inputs are 2-D views (B * T, H * D) of q, k, v (B, T, H|H_kv, D), contiguous: a tile is rows
 [b * T + start, + BLOCK) and columns [head * D, + D). Rows past T belong to the next sequence (or
@@ -39,15 +53,14 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
-BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # the backward's query rows per step and keys per program
-FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # each consumer's query rows, keys per block, K/V ring slots
-FWD_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
-AUTO_FORWARD_HEAD_DIMS = (128,)  # where attention.kernel=auto takes this forward (faster than tl's; docs/KERNEL.md)
+FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
+BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
+WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
+AUTO_HEAD_DIMS = (128,)  # where attention.kernel=auto runs these kernels (faster than the tl ones; docs/KERNEL.md)
 # Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
 # (async_copy_global_to_shared until 3.8, removed in 3.9).
 cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -250,120 +263,6 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale
 
 
 @gluon.jit
-def _attn_bwd_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, T, H, GROUP,
-                   sm_scale, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """dK, dV of BLOCK_N keys of one (batch, KV head), summed over the group's query heads, and
-    their share of dQ, added atomically into the fp32 dq (B, T, H, D). Transposed tiles: the keys
-    are the rows (M) of every matmul, so the dK/dV accumulators stay in registers (see
-    ``attn_bwd_sm90``)."""
-    pid_n = gl.program_id(0)
-    pid_bkv = gl.program_id(1)  # b * H_kv + kv head
-    H_KV = H // GROUP
-    batch = pid_bkv // H_KV
-    kv_head = pid_bkv % H_KV
-    k_start = pid_n * BLOCK_N
-    row0 = batch * T
-
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])  # (keys, queries)
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])  # (keys, D)
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                       instr_shape=[16, HEAD_DIM // (num_warps // 4), 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    t_keys: gl.constexpr = gl.SliceLayout(1, t_layout)
-    t_queries: gl.constexpr = gl.SliceLayout(0, t_layout)
-    dtype: gl.constexpr = q_desc.dtype
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
-    tma_load(v_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, v_smem)
-
-    # the (query head, query block) pairs this key block meets, in one sequence of n_steps
-    if IS_CAUSAL:
-        first_m = k_start // BLOCK_M
-    else:
-        first_m = 0
-    m_blocks = gl.cdiv(T, BLOCK_M) - first_m
-    n_steps = GROUP * m_blocks
-    qd_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    mbarrier.expect(bars.index(0), qd_bytes)
-    tma_load(q_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
-                                    q_smem.index(0))
-    tma_load(do_desc, [row0 + first_m * BLOCK_M, kv_head * GROUP * HEAD_DIM], bars.index(0),
-                                    do_smem.index(0))
-
-    offs_k = k_start + gl.arange(0, BLOCK_N, layout=t_keys)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
-    t_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=t_layout)
-    q_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=q_layout)
-    qk_scale = sm_scale * 1.4426950408889634
-    mbarrier.wait(kv_bar, phase=0)
-    for i in range(n_steps):
-        stage = i % STAGES
-        head = kv_head * GROUP + i // m_blocks
-        q_start = (first_m + i % m_blocks) * BLOCK_M
-        cta_barrier()  # no warp still reads the slot the next copy fills, nor ds_smem
-        if i + 1 < n_steps:
-            nxt = (i + 1) % STAGES
-            next_head = kv_head * GROUP + (i + 1) // m_blocks
-            next_row = row0 + (first_m + (i + 1) % m_blocks) * BLOCK_M
-            mbarrier.expect(bars.index(nxt), qd_bytes)
-            tma_load(q_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt), q_smem.index(nxt))
-            tma_load(do_desc, [next_row, next_head * HEAD_DIM], bars.index(nxt),
-                                            do_smem.index(nxt))
-        offs_q = q_start + gl.arange(0, BLOCK_M, layout=t_queries)
-        in_seq = offs_q < T
-        lse2 = gl.load(lse_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0) * 1.4426950408889634
-        delta = gl.load(delta_ptr + (batch * H + head) * T + offs_q, mask=in_seq, other=0.0)
-        mbarrier.wait(bars.index(stage), phase=(i // STAGES) & 1)
-
-        st = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        keep = in_seq[None, :] & (offs_k[:, None] < T)
-        if IS_CAUSAL:
-            keep = keep & (offs_q[None, :] >= offs_k[:, None])
-        pt = gl.where(keep, gl.exp2(st * qk_scale - lse2[None, :]), 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_smem.index(stage), dv, is_async=True)
-        dpt = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dv, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dpt))
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_smem.index(stage), dk, is_async=True)
-        ds_smem.store(dst)
-        fence_async_shared()
-        cta_barrier()  # every warp's part of dS^T is in shared memory before the dQ matmul reads it
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, q_zero, use_acc=False, is_async=True)
-        dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dq))
-        rows = q_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-        dq_offsets = ((row0 + rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
-        gl.atomic_add(dq_ptr + dq_offsets, dq * sm_scale, mask=(rows < T)[:, None])
-
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-    rows = k_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    kv_offsets = ((row0 + rows) * H_KV + kv_head)[:, None] * HEAD_DIM + cols[None, :]
-    kv_mask = (rows < T)[:, None]
-    gl.store(dk_ptr + kv_offsets, (dk * sm_scale).to(dtype), mask=kv_mask)
-    gl.store(dv_ptr + kv_offsets, dv.to(dtype), mask=kv_mask)
-
-
-@gluon.jit
 def _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr, delta_ptr, BLOCK_M: gl.constexpr,
                layout: gl.constexpr):
     """Step i's query block: (its first row, the rows, which lie in the sequence, lse * log2 e, delta)."""
@@ -406,10 +305,10 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    mbarrier.expect(kv_bar.index(0), 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar.index(0), k_smem.index(half))
-        tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar.index(0), v_smem.index(half))
+        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, k_smem.index(half))
+        tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, v_smem.index(half))
     for i in range(group * m_blocks):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
@@ -452,52 +351,24 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
-    PIPELINED: gl.constexpr = kv_bar.type.shape[0] == 2
-    mbarrier.wait(kv_bar.index(0), 0)
-    n_steps = group * m_blocks
-    if PIPELINED:
-        q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(0, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr,
+    mbarrier.wait(kv_bar, 0)
+    for i in range(group * m_blocks):
+        slot = i % STAGES
+        q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr,
                                                           delta_ptr, BLOCK_M, t_queries)
-        mbarrier.wait(ready.index(0), 0)
-        st = warpgroup_mma(k, q_smem.index(0).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v, do_smem.index(0).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        for i in range(n_steps):
-            slot = i % STAGES
-            q = q_smem.index(slot)
-            do = do_smem.index(slot)
-            pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            # the next step's score matmuls queue behind this step's dV and dK (the last step repeats its own:
-            # one wasted pair, so that every value the loop carries is a finished tensor)
-            nxt = gl.minimum(i + 1, n_steps - 1)
-            q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(nxt, m_blocks, first_m, kv_head, group, batch, H, T,
-                                                              lse_ptr, delta_ptr, BLOCK_M, t_queries)
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            st = warpgroup_mma(k, q_smem.index(nxt % STAGES).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do_smem.index(nxt % STAGES).permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            dv, dk, st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, st, dpt))
-            mbarrier.arrive(empty.index(slot), count=1)
-    else:
-        for i in range(n_steps):
-            slot = i % STAGES
-            q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T,
-                                                              lse_ptr, delta_ptr, BLOCK_M, t_queries)
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            q = q_smem.index(slot)
-            do = do_smem.index(slot)
-            st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
-            pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        q = q_smem.index(slot)
+        do = do_smem.index(slot)
+        st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+        pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(slot), count=1)
 
     kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
@@ -530,7 +401,7 @@ def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, GROUP,
-                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, PIPELINED: gl.constexpr):
+                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
     program, a producer warp and two consumer warpgroups of HALF_N keys each."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -552,10 +423,10 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [2 if PIPELINED else 1, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar.index(0), count=1)
+    mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
@@ -570,7 +441,7 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
 
 
 def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
-    """The PTX of the forward (kernel "fwd") or backward ("bwd") compiled for sm90a at the launch's
+    """The PTX of the forward (kernel "fwd") or the backward's dK/dV kernel ("bwd") compiled for sm90a at the launch's
     tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
     "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library functions are
     interpreted otherwise)."""
@@ -588,29 +459,20 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         fn, rows_q, rows_kv = _attn_fwd_sm90, FWD_HALF_M, FWD_BLOCK_N
         pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
         scalars = {"qk_scale": "fp32"}
-        options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
         constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
-    elif kernel == "dkdv":
-        fn, rows_q, rows_kv = _attn_bwd_dkdv_sm90, BWD_BLOCK_M, BWD_BLOCK_N // 2
+    else:
+        fn, rows_q, rows_kv = _attn_bwd_dkdv_sm90, BWD_BLOCK_M, BWD_HALF_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
         scalars = {"sm_scale": "fp32"}
-        options = {"num_warps": 4, "maxnreg": FWD_MAXNREG}
-        constexprs = {"IS_CAUSAL": causal, "STAGES": 2, "PIPELINED": True}
-    else:
-        fn, rows_q, rows_kv = _attn_bwd_sm90, BWD_BLOCK_M, BWD_BLOCK_N
-        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": "*fp32", "dk_ptr": f"*{dtype}",
-                    "dv_ptr": f"*{dtype}"}
-        scalars = {"sm_scale": "fp32"}
-        options = {"num_warps": 8}
-        constexprs = {"IS_CAUSAL": causal, "BLOCK_M": rows_q, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": 2,
-                      "num_warps": 8}
+        constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
-    if kernel in ("bwd", "dkdv"):
+    if kernel == "bwd":
         descriptors["do_desc"] = descriptor(rows_q)
     signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": WS_MAXNREG}).asm["ptx"]
 
 
 def tma_view(x):
@@ -674,49 +536,25 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     grid = (-(-T // (2 * FWD_HALF_M)), B * H)
     _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N), o, lse,
                          T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
-                         num_warps=4, maxnreg=FWD_MAXNREG)
+                         num_warps=4, maxnreg=WS_MAXNREG)
     return o, lse
 
 
-def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, block_m: int = BWD_BLOCK_M,
-                  pipelined: bool = True):
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
     """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
     contiguous, in q's dtype. dQ and delta = rowsum(dO * O) come from the tl dQ kernel
     (backward.attn_bwd), dK and dV from the warp-specialised Gluon kernel; lse: (B, H, T) float32,
-    natural log, as the forward wrote it. block_m: the query rows of each dK/dV step."""
+    natural log, as either forward writes it."""
     from .backward import attn_bwd
 
     do = do if tma_view(do) is not None else do.contiguous()
 
     def dkdv(q, k, v, do, lse, delta, dk, dv):
         B, T, H, D = q.shape
-        half_n = BWD_BLOCK_N // 2
-        grid = (-(-T // BWD_BLOCK_N), B * k.shape[2])
-        _attn_bwd_dkdv_sm90[grid](descriptor(q, block_m), descriptor(k, half_n), descriptor(v, half_n),
-                                  descriptor(do, block_m), lse, delta, dk, dv, T, H, H // k.shape[2], softmax_scale,
-                                  bool(causal), 2, pipelined, num_warps=4, maxnreg=FWD_MAXNREG)
+        grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
+        _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_HALF_N), descriptor(v, BWD_HALF_N),
+                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, T, H, H // k.shape[2], softmax_scale,
+                                  bool(causal), BWD_STAGES, num_warps=4, maxnreg=WS_MAXNREG)
 
     dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, dkdv_launch=dkdv)
     return dq, dk, dv
-
-
-def attn_bwd_sm90_atomic(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
-    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
-    contiguous, in q's dtype. delta = rowsum(dO * O) and the fp32 dq the kernel adds into are made
-    here (torch); lse: (B, H, T) float32, natural log, as the forward wrote it."""
-    import torch
-
-    B, T, H, D = q.shape
-    H_kv = k.shape[2]
-    dk, dv = k.new_empty((B, T, H_kv, D)), v.new_empty((B, T, H_kv, D))
-    dq = torch.zeros((B, T, H, D), device=q.device, dtype=torch.float32)
-    if B * T == 0:
-        return dq.to(q.dtype), dk, dv
-    do = do if tma_view(do) is not None else do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
-
-    grid = (-(-T // BWD_BLOCK_N), B * H_kv)
-    _attn_bwd_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_BLOCK_N), descriptor(v, BWD_BLOCK_N),
-                         descriptor(do, BWD_BLOCK_M), lse.contiguous(), delta, dq, dk, dv, T, H, H // H_kv,
-                         softmax_scale, bool(causal), BWD_BLOCK_M, BWD_BLOCK_N, D, 2, num_warps=8)
-    return dq.to(q.dtype), dk, dv

@@ -71,8 +71,8 @@ def forward_kernel(kernel: str, device: torch.device, dtype: torch.dtype, n_head
     masks is in use (the Hopper forward has none yet)."""
     if kernel == "tl" or features or device.type != "cuda":
         return "tl"
-    from kernels.flash_attention.function import forward_choice
+    from kernels.flash_attention.function import kernel_choice
 
     q = torch.empty(1, 1, n_head, head_dim, device=device, dtype=dtype)
     k = torch.empty(1, 1, n_kv_head, head_dim, device=device, dtype=dtype)
-    return forward_choice(kernel, q, k, k, 0, None, 0.0, None)
+    return kernel_choice(kernel, q, k, k, 0, None, 0.0, None)
