@@ -64,9 +64,7 @@ FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's que
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
 AUTO_HEAD_DIMS = (128,)  # where attention.kernel=auto runs these kernels (faster than the tl ones; docs/KERNEL.md)
-# Gluon's names moved between releases: the CTA barrier (3.6: thread_barrier) and the TMA load
-# (async_copy_global_to_shared until 3.8, removed in 3.9).
-cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
 
