@@ -215,3 +215,19 @@ def test_a_captured_decode_replays_at_every_length():
         lengths.copy_(torch.tensor([300 + step, 40 + step], dtype=torch.int32))
         graph.replay()
         assert torch.equal(o, flash_decode(q, k, v, lengths, gate_cache=gate)), step
+
+
+def test_triton_key_is_computed_on_a_background_thread():
+    """kernels/triton_start.py: the thread fills triton_key's per-process cache, so the first launch hits it."""
+    from triton.runtime.cache import triton_key
+
+    from kernels.triton_start import start_triton_key
+
+    triton_key.cache_clear()
+    thread = start_triton_key()
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert triton_key.cache_info().currsize == 1
+    key = triton_key()
+    assert triton_key.cache_info().hits == 1 and key
