@@ -69,6 +69,17 @@ def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
     assert hopper.tma_view(torch.randn(5 * 4 * 64 + 1)[1:].view(1, 5, 4, 64)) is None  # base 4 bytes off 16
 
 
+def test_the_dkdv_kernel_writes_a_packed_gradient_by_its_token_stride():
+    dqkv = torch.empty(2, 5, 4 + 2 * 2, 64)
+    _, dk, dv = dqkv.split([4, 2, 2], dim=2)
+    assert hopper.token_stride(dk, dv) == 8 * 64
+    assert hopper.token_stride(dk.contiguous(), dv.contiguous()) == 2 * 64
+    with pytest.raises(ValueError, match="one layout"):
+        hopper.token_stride(dk, dv.contiguous())
+    with pytest.raises(ValueError, match="heads adjacent"):
+        hopper.token_stride(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (dk, dv)))
+
+
 def test_calls_off_the_hopper_path_say_why():
     q = torch.randn(1, 8, 2, 64)
     assert "sm90" in hopper.unsupported(q, q, q, 0, None, 0.0, None)
@@ -143,7 +154,10 @@ def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, pac
     assert hopper.unsupported(q, k, v, 0, None, 0.0, None) is None
     scale = D ** -0.5
     o, lse = hopper.attn_fwd_sm90(q, k, v, scale, causal)
-    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal)
+    dqkv = torch.empty(B, T, H + 2 * H_kv, D, device="cuda", dtype=dtype)
+    out = dqkv.split([H, H_kv, H_kv], dim=2) if packed else None
+    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal, out=out)
+    assert not packed or all(grad is view for grad, view in zip(grads, out))  # a packed gradient, written in place
 
     def reference(compute_dtype):
         ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]

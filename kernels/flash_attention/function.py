@@ -110,20 +110,20 @@ def _flash_attn_fwd_fake(q, k, v, cu_seqlens, rng, g, options):
 
 def _flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):
     """dq, dk, dv (contiguous) and dg (None without a gate); packed (k is None): dqkv shaped like
-    qkv, None, None and dg."""
+    qkv, None, None and dg, written in place through three views (nothing concatenates them)."""
     n_head, max_seqlen, softmax_scale, causal, window, dropout_p, kernel = unpack(options)
-    if dlse is None:
-        qkv_views = split_qkv(q, n_head) if k is None else (q, k, v)
-        if kernel_choice(kernel, *qkv_views, window, cu_seqlens, dropout_p, g) == "gluon":
-            dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, *qkv_views, o, lse, softmax_scale, causal)
-            return (torch.cat([dq, dk, dv], dim=2), None, None, None) if k is None else (dq, dk, dv, None)
-    if k is None:
+    packed = k is None
+    if packed:
         dqkv = q.new_empty(q.shape)
-        _, _, _, dg = attn_bwd(do, *split_qkv(q, n_head), o, lse, softmax_scale, causal, window, cu_seqlens,
-                               max_seqlen, dlse, rng, dropout_p, g, out=split_qkv(dqkv, n_head))
-        return dqkv, None, None, dg
-    return attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, max_seqlen, dlse, rng,
-                    dropout_p, g)
+        q, k, v = split_qkv(q, n_head)
+    out = split_qkv(dqkv, n_head) if packed else None
+    if dlse is None and kernel_choice(kernel, q, k, v, window, cu_seqlens, dropout_p, g) == "gluon":
+        dq, dk, dv = hopper_module()[0].attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale, causal, out=out)
+        dg = None
+    else:
+        dq, dk, dv, dg = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, window, cu_seqlens, max_seqlen, dlse,
+                                  rng, dropout_p, g, out=out)
+    return (dqkv, None, None, dg) if packed else (dq, dk, dv, dg)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, options):

@@ -301,7 +301,7 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     q_desc, k_desc, v_desc, do_desc = descs
     k_smem, v_smem, q_smem, do_smem = bufs
     kv_bar, ready, empty = bars
-    row0, k_start, kv_head, group, first_m, m_blocks, T, H = sizes
+    row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -328,7 +328,7 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     q_desc, k_desc, v_desc, do_desc = descs
     k_smem, v_smem, q_smem, do_smem = bufs
     kv_bar, ready, empty = bars
-    row0, k_start, kv_head, group, first_m, m_blocks, T, H = sizes
+    row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
     lse_ptr, delta_ptr, dk_ptr, dv_ptr = ptrs
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -374,7 +374,7 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offsets = ((row0 + keys) * (H // group) + kv_head)[:, None] * HEAD_DIM + cols[None, :]
+    offsets = ((row0 + keys) * dkv_row + kv_head * HEAD_DIM)[:, None] + cols[None, :]
     inside = (keys < T)[:, None]
     gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=inside)
     gl.store(dv_ptr + offsets, dv.to(dtype), mask=inside)
@@ -401,10 +401,11 @@ def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 
 @gluon.jit
-def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, H, GROUP,
+def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, DKV_ROW, T, H, GROUP,
                         sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
-    program, a producer warp and two consumer warpgroups of HALF_N keys each."""
+    program, a producer warp and two consumer warpgroups of HALF_N keys each. dk and dv: (B, T, H_kv, D)
+    with DKV_ROW elements from one token to the next (H_kv * D contiguous; more in a packed gradient)."""
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -432,8 +433,8 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     args = ((q_desc, k_desc, v_desc, do_desc), (k_smem, v_smem, q_smem, do_smem), (kv_bar, ready, empty),
-            (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H), (lse_ptr, delta_ptr, dk_ptr, dv_ptr),
-            sm_scale)
+            (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H, DKV_ROW),
+            (lse_ptr, delta_ptr, dk_ptr, dv_ptr), sm_scale)
     if IS_CAUSAL:
         gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
                            [240, 24])
@@ -469,7 +470,8 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
     if kernel == "bwd":
         descriptors["do_desc"] = descriptor(rows_q)
-    signature = {**descriptors, **pointers, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
+    rows = {"DKV_ROW": "i32"} if kernel == "bwd" else {}
+    signature = {**descriptors, **pointers, **rows, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -541,11 +543,12 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     return o, lse
 
 
-def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
-    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D),
-    contiguous, in q's dtype. dQ and delta = rowsum(dO * O) come from the tl dQ kernel
-    (backward.attn_bwd), dK and dV from the warp-specialised Gluon kernel; lse: (B, H, T) float32,
-    natural log, as either forward writes it."""
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=None):
+    """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D)
+    in q's dtype, new and contiguous, or written into ``out`` = (dq, dk, dv) (a packed gradient's views:
+    dk and dv with the same strides, D contiguous, heads adjacent, batches T tokens apart). dQ and delta
+    = rowsum(dO * O) come from the tl dQ kernel (backward.attn_bwd), dK and dV from the warp-specialised
+    Gluon kernel; lse: (B, H, T) float32, natural log, as either forward writes it."""
     from .backward import attn_bwd
 
     do = do if tma_view(do) is not None else do.contiguous()
@@ -554,8 +557,20 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool):
         B, T, H, D = q.shape
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, T, H, H // k.shape[2], softmax_scale,
-                                  bool(causal), BWD_STAGES, num_warps=4, maxnreg=WS_MAXNREG)
+                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, token_stride(dk, dv), T, H,
+                                  H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, num_warps=4,
+                                  maxnreg=WS_MAXNREG)
 
-    dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, dkdv_launch=dkdv)
+    dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
     return dq, dk, dv
+
+
+def token_stride(dk, dv) -> int:
+    """The elements from one token to the next of dk and dv (B, T, H_kv, D), which the dK/dV kernel
+    writes as rows of (B * T, that stride)."""
+    B, T, H_kv, D = dk.shape
+    stride = dk.stride()
+    if dv.stride() != stride or stride[3] != 1 or stride[2] != D or (B > 1 and stride[0] != T * stride[1]):
+        raise ValueError(f"the Hopper dK/dV kernel writes dk and dv of one layout with D contiguous, heads adjacent "
+                         f"and batches T tokens apart, not strides {stride} and {dv.stride()}")
+    return stride[1]
