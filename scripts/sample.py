@@ -38,7 +38,7 @@ from tqdm import tqdm  # noqa: E402
 
 from data.tokenizers import default_prompt  # noqa: E402
 from errors import UserError, check_finite, check_positive  # noqa: E402
-from kernels.triton_start import start_triton_key  # noqa: E402
+from kernels.triton_start import start_triton_setup  # noqa: E402
 from model import GPT  # noqa: E402
 from training.exits import ArgumentParser, exit_on_error  # noqa: E402
 from training.hf_folder import is_hf_folder  # noqa: E402
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
     device = resolve_device(args.device)
     phases = Phases(args.timings, device)
     if device.type == "cuda":
-        start_triton_key()  # hashed while the checkpoint loads and the prefill runs, not in decode step 1
+        start_triton_setup()  # while the checkpoint loads and the prefill runs, not in decode step 1
     dtype = resolve_dtype(args.dtype, device)
     torch.zeros(1, device=device)  # the CUDA context, made here to be timed on its own
     phases.done("device ready")
