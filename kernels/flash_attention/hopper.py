@@ -278,15 +278,6 @@ def _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr, delta
 
 
 @gluon.jit
-def _red_add_pairs(ptrs, values, mask):
-    """ptrs[i] += values[i] in fp32 where mask, two adjacent columns per instruction (red.global.add.v2.f32,
-    sm90): the accumulator layouts hold columns in pairs."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p red.global.add.v2.f32 [$2], {$6, $7}; mov.b32 $0, 0; mov.b32 $1, 0; }",
-        "=r,=r,l,l,r,r,r,r", [ptrs.to(gl.int64), mask.to(gl.int32), values], dtype=gl.int32, is_pure=False, pack=2)
-
-
-@gluon.jit
 def _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL: gl.constexpr,
                 HALF_N: gl.constexpr, BLOCK_M: gl.constexpr):
     """Pᵀ (keys, queries) of the raw scores Sᵀ; masked only where the causal diagonal or the sequence's end
@@ -389,7 +380,7 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
             q_rows = q_start + gl.arange(0, BLOCK_M, layout=kv_rows)
             head = kv_head * group + i // m_blocks
             dq_offsets = ((row0 + q_rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
-            _red_add_pairs(dq_ptr + dq_offsets, dq * sm_scale, (q_rows < T)[:, None] & (cols < HEAD_DIM)[None, :])
+            gl.atomic_add(dq_ptr + dq_offsets, dq * sm_scale, mask=(q_rows < T)[:, None], sem="relaxed")
         else:
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             mbarrier.arrive(empty.index(slot), count=1)
