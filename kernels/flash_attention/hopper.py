@@ -321,8 +321,7 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 
 @gluon.jit
-def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  WITH_DQ: gl.constexpr):
+def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """One consumer warpgroup: dK and dV of keys [k_start + HALF * HALF_N, + HALF_N), summed over the
     steps' query blocks; keys are the rows of every matmul (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO,
     dK += dSᵀ Q), so both accumulators stay in registers."""
@@ -330,7 +329,7 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     k_smem, v_smem, q_smem, do_smem = bufs
     kv_bar, ready, empty = bars
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
-    lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr = ptrs
+    lse_ptr, delta_ptr, dk_ptr, dv_ptr = ptrs
     HALF_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -353,9 +352,6 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=kv_layout)
-    kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     mbarrier.wait(kv_bar, 0)
     for i in range(group * m_blocks):
         slot = i % STAGES
@@ -372,20 +368,12 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        if WITH_DQ:  # dQ += dS K over this warpgroup's keys, added in fp32 (relaxed atomics)
-            dq = warpgroup_mma(gl.convert_layout(gl.permute(dst, (1, 0)), a_layout), k, dq_zero, use_acc=False,
-                               is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-            mbarrier.arrive(empty.index(slot), count=1)
-            q_rows = q_start + gl.arange(0, BLOCK_M, layout=kv_rows)
-            head = kv_head * group + i // m_blocks
-            dq_offsets = ((row0 + q_rows) * H + head)[:, None] * HEAD_DIM + cols[None, :]
-            gl.atomic_add(dq_ptr + dq_offsets, dq * sm_scale, mask=(q_rows < T)[:, None], sem="relaxed")
-        else:
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(slot), count=1)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(slot), count=1)
 
+    kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     offsets = ((row0 + keys) * dkv_row + kv_head * HEAD_DIM)[:, None] + cols[None, :]
     inside = (keys < T)[:, None]
     gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=inside)
@@ -394,47 +382,27 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
 
 @gluon.jit
 def _dkdv_lo_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True, False)
-
-
-@gluon.jit
-def _dkdv_lo_full(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False, False)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True)
 
 
 @gluon.jit
 def _dkdv_hi_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True, False)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True)
+
+
+@gluon.jit
+def _dkdv_lo_full(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False)
 
 
 @gluon.jit
 def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False, False)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False)
 
 
 @gluon.jit
-def _dkdv_lo_causal_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True, True)
-
-
-@gluon.jit
-def _dkdv_lo_full_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False, True)
-
-
-@gluon.jit
-def _dkdv_hi_causal_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True, True)
-
-
-@gluon.jit
-def _dkdv_hi_full_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False, True)
-
-
-@gluon.jit
-def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, DKV_ROW, T, H,
-                        GROUP, sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr):
+def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, DKV_ROW, T, H, GROUP,
+                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
     program, a producer warp and two consumer warpgroups of HALF_N keys each. dk and dv: (B, T, H_kv, D)
     with DKV_ROW elements from one token to the next (H_kv * D contiguous; more in a packed gradient)."""
@@ -466,24 +434,15 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     args = ((q_desc, k_desc, v_desc, do_desc), (k_smem, v_smem, q_smem, do_smem), (kv_bar, ready, empty),
             (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H, DKV_ROW),
-            (lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr), sm_scale)
-    if WITH_DQ:
-        if IS_CAUSAL:
-            gl.warp_specialize([(_dkdv_lo_causal_dq, args), (_dkdv_hi_causal_dq, args), (_dkdv_load, args)], [4, 1],
-                               [240, 24])
-        else:
-            gl.warp_specialize([(_dkdv_lo_full_dq, args), (_dkdv_hi_full_dq, args), (_dkdv_load, args)], [4, 1],
-                               [240, 24])
+            (lse_ptr, delta_ptr, dk_ptr, dv_ptr), sm_scale)
+    if IS_CAUSAL:
+        gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
+                           [240, 24])
     else:
-        if IS_CAUSAL:
-            gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
-                               [240, 24])
-        else:
-            gl.warp_specialize([(_dkdv_lo_full, args), (_dkdv_hi_full, args), (_dkdv_load, args)], [4, 1],
-                               [240, 24])
+        gl.warp_specialize([(_dkdv_lo_full, args), (_dkdv_hi_full, args), (_dkdv_load, args)], [4, 1], [240, 24])
 
 
-def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool, with_dq: bool = False) -> str:
+def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
     """The PTX of the forward (kernel "fwd") or the backward's dK/dV kernel ("bwd") compiled for sm90a at the launch's
     tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
     "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library functions are
@@ -505,10 +464,9 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool, with_
         constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
     else:
         fn, rows_q, rows_kv = _attn_bwd_dkdv_sm90, BWD_BLOCK_M, BWD_HALF_N
-        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
-                    "dq_ptr": "*fp32"}
+        pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
         scalars = {"sm_scale": "fp32"}
-        constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES, "WITH_DQ": with_dq}
+        constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
     if kernel == "bwd":
         descriptors["do_desc"] = descriptor(rows_q)
@@ -599,8 +557,8 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
         B, T, H, D = q.shape
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, delta, token_stride(dk, dv), T, H,
-                                  H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, False, num_warps=4,
+                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, token_stride(dk, dv), T, H,
+                                  H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, num_warps=4,
                                   maxnreg=WS_MAXNREG)
 
     dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
