@@ -470,6 +470,36 @@ def test_torch_compile_fullgraph_no_graph_break(dropout_p, gated):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("lse_used", [False, True], ids=["o", "o-and-lse"])
+def test_a_compiled_backward_gets_an_lse_gradient_only_where_lse_is_used(lse_used):
+    """Traced by torch.compile, the backward op's dlse is None unless the caller took lse: a graph once
+    passed zeros for the lse nobody used (the tl kernels then read it, and the Hopper backward,
+    which takes no dlse, never ran under compile)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    dlse_args = []
+
+    def backward_compiler(gm, _):
+        dlse_args.extend(n.args[6] for n in gm.graph.nodes if n.target is torch.ops.nanoflash.flash_attn_bwd.default)
+        return make_boxed_func(gm.forward)
+
+    def f(q, k, v):
+        if lse_used:
+            o, lse = flash_attn(q * 2.0, k, v, return_lse=True)
+            return o.float().square().sum() + lse.sum()
+        return flash_attn(q * 2.0, k, v).float().square().sum()
+
+    inputs = _small(requires_grad=True)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    grads = torch.autograd.grad(compiled(*inputs), inputs)
+    assert len(dlse_args) == 1 and (dlse_args[0] is not None) == lse_used
+    for a, b in zip(grads, torch.autograd.grad(f(*inputs), inputs)):
+        torch.testing.assert_close(a, b)
+
+
 def _op_calls(fn, *inputs) -> dict[str, int]:
     """{op: calls} of the nanoflash ops in one forward + backward of ``fn`` (torch.profiler records
     every call that goes through the dispatcher, eager or from a compiled graph)."""
@@ -837,7 +867,7 @@ def test_dropout_under_cuda_graph_capture_draws_fresh_bits_each_replay_cuda():
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
 
     def attend(rng):
-        o, _ = FlashAttnFunction.apply(q, k, v, None, rng, None, op_options(0, 0, 64 ** -0.5, True, 0, 0.1))
+        o = FlashAttnFunction.apply(q, k, v, None, rng, None, op_options(0, 0, 64 ** -0.5, True, 0, 0.1), False)
         return o, torch.autograd.grad(o, (q, k, v), do)
 
     def step():

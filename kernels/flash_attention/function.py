@@ -146,24 +146,26 @@ flash_attn_bwd = define_op(
 
 class FlashAttnFunction(torch.autograd.Function):
     """Autograd of the public functions: the forward op, then the backward op on what it saved.
-    ``apply(q, k, v, cu_seqlens, rng, g, options)`` with the ops' :func:`op_options`; q is the packed
-    qkv and k = v = None for the packed layout."""
+    ``apply(q, k, v, cu_seqlens, rng, g, options, return_lse)`` with the ops' :func:`op_options`; q is
+    the packed qkv and k = v = None for the packed layout. It returns (o, lse) with ``return_lse``, else
+    o alone: a graph torch.compile traced would hand the backward a dlse of zeros for an lse nobody
+    used, which costs the tl kernels a read and keeps the Hopper backward out."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, rng, g, options):
+    def forward(ctx, q, k, v, cu_seqlens, rng, g, options, return_lse):
         o, lse = flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, rng, g)
         ctx.options = options
         ctx.set_materialize_grads(False)  # lse's grad stays None unless the caller used lse
-        return o, lse
+        return (o, lse) if return_lse else o
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse=None):
         q, k, v, o, lse, cu_seqlens, rng, g = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         dq, dk, dv, dg = flash_attn_bwd(do, q, k, v, o, lse, dlse, cu_seqlens, rng, g, ctx.options)
-        return dq, dk, dv, None, None, dg, None
+        return dq, dk, dv, None, None, dg, None, None
 
 
 def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_seqlens, max_seqlen, return_lse,
@@ -186,10 +188,9 @@ def _attend(name, q, k, v, qkv, n_head, causal, softmax_scale, window_size, cu_s
         q, k, v = qkv if qkv.stride(-1) == 1 else qkv.contiguous(), None, None
     elif q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o, lse = FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g,
-                                     op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p,
-                                                kernel))
-    return (o, lse) if return_lse else o
+    return FlashAttnFunction.apply(q, k, v, cu_seqlens, rng, g,
+                                   op_options(n_head, max_seqlen or 0, scale, causal, window_size or 0, dropout_p,
+                                              kernel), return_lse)
 
 
 def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, softmax_scale: float | None = None,
