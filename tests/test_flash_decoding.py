@@ -150,7 +150,8 @@ H100_LIKE, CONSUMER = (132, 232448), (128, 101376)  # (SMs, shared memory per pr
 
 
 @pytest.mark.parametrize("gpu, batch, kv_heads, capacity, head_dim, expected", [
-    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 64, 4, 3), id="gpt2-B1-32k"),  # 396 programs: 3 per SM
+    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(22, 64, 4, 3), id="gpt2-B1-32k"),  # one sequence: 2 per SM
+    pytest.param(H100_LIKE, 2, 12, 32768, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B2-32k"),  # 384 programs: 3 per SM
     pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
     pytest.param(H100_LIKE, 4, 12, 32768, 64, DecodeConfig(8, 64, 4, 3), id="gpt2-B4-32k"),  # 384
     pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 64, 4, 3), id="gpt2-B8-32k"),  # 384
@@ -161,8 +162,8 @@ H100_LIKE, CONSUMER = (132, 232448), (128, 101376)  # (SMs, shared memory per pr
     pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(21, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 100 KB: 2 per SM
 ])
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
-    """Splits make as many programs per SM as its shared memory holds at the tiles, at most 3, each
-    split at least one step of keys, at most 128; the splits given are kept."""
+    """Splits make as many programs per SM as its shared memory holds at the tiles, at most 3 (2 for one
+    sequence), each split at least one step of keys, at most 128; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected

@@ -12,7 +12,10 @@ least one ``block_n`` of the capacity, and there are at most ``MAX_SPLITS``. On 
 (scripts/bench_decode.py's sweeps, 2026-11-26): GPT-2's 12 heads at batch 4 split 8 ways (384
 programs) read a 32k cache in 95.7 µs against 99.8 at 5 ways of 128-key tiles (one wave of two
 programs per SM) and cuDNN's 96.9; at batch 16, 2 ways (384) against 4 (768), 357 µs against 406; at
-batch 2, 16 ways, 51.2 µs against 52.5 at 11.
+batch 2, 16 ways, 51.2 µs against 52.5 at 11. One sequence (batch 1) gets at most
+``ONE_SEQUENCE_PER_SM`` (2) programs per SM: GPT-2's 12 heads split 22 ways read 16k / 32k / 64k caches
+in 22.0 / 38.9 / 71.1 µs against 22.6 / 40.5 / 74.7 at 33 ways on an H100 (docs/runs/2026-11-26-decode-5),
+and 32k in 29.5 µs against 30.6 on an H200 (decode-3's sweep, then at 4 stages).
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
 ``NUM_STAGES`` stages of K and V tiles in flight. Neither a fourth stage nor 128-key tiles paid
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 MOST_PER_SM = 3  # programs per SM at most: enough loads in flight to keep its share of the HBM busy
+ONE_SEQUENCE_PER_SM = 2  # at batch 1 (module docstring)
 MAX_SPLITS = 128
 BLOCK_N, WIDE_BLOCK_N = 64, 32  # keys per step for D <= 128, and past it
 NUM_WARPS = 4
@@ -60,7 +64,7 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
     if num_splits is None and device.type == "cuda":
         sms, smem = gpu_resources(device)
         program_bytes = NUM_STAGES * 2 * block_n * _next_power_of_2(head_dim) * elem_bytes  # K and V tiles in flight
-        per_sm = max(1, min(MOST_PER_SM, smem // program_bytes))
+        per_sm = max(1, min(MOST_PER_SM if batch > 1 else ONE_SEQUENCE_PER_SM, smem // program_bytes))
         most = min(-(-capacity // block_n), MAX_SPLITS)
         num_splits = max(1, min(per_sm * sms // (batch * kv_heads), most))
     return DecodeConfig(num_splits or 1, block_n, NUM_WARPS, NUM_STAGES)
