@@ -14,8 +14,8 @@ programs) read a 32k cache in 95.7 µs against 99.8 at 5 ways of 128-key tiles (
 programs per SM) and cuDNN's 96.9; at batch 16, 2 ways (384) against 4 (768), 357 µs against 406; at
 batch 2, 16 ways, 51.2 µs against 52.5 at 11. One sequence (batch 1) gets at most
 ``ONE_SEQUENCE_PER_SM`` (2) programs per SM: GPT-2's 12 heads split 22 ways read 16k / 32k / 64k caches
-in 22.0 / 38.9 / 71.1 µs against 22.6 / 40.5 / 74.7 at 33 ways on an H100 (docs/runs/2026-11-26-decode-5),
-and 32k in 29.5 µs against 30.6 on an H200 (decode-3's sweep, then at 4 stages).
+in 22.0 / 38.9 / 71.1 µs against 22.6 / 40.5 / 74.7 at 33 ways on an H100, in two calls; on an H200,
+in one call, 15.8 / 30.3 / 52.9 against 17.1 / 29.7 / 52.2 (docs/runs/2026-11-26-decode-5).
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
 ``NUM_STAGES`` stages of K and V tiles in flight. Neither a fourth stage nor 128-key tiles paid
