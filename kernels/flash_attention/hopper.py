@@ -567,10 +567,9 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
 
 def token_stride(dk, dv) -> int:
     """The elements from one token to the next of dk and dv (B, T, H_kv, D), which the dK/dV kernel
-    writes as rows of (B * T, that stride)."""
-    B, T, H_kv, D = dk.shape
-    stride = dk.stride()
-    if dv.stride() != stride or stride[3] != 1 or stride[2] != D or (B > 1 and stride[0] != T * stride[1]):
+    writes as rows of (B * T, that stride): the rows of :func:`tma_view`."""
+    view = tma_view(dk)
+    if view is None or dv.stride() != dk.stride():
         raise ValueError(f"the Hopper dK/dV kernel writes dk and dv of one layout with D contiguous, heads adjacent "
-                         f"and batches T tokens apart, not strides {stride} and {dv.stride()}")
-    return stride[1]
+                         f"and batches T tokens apart, not strides {dk.stride()} and {dv.stride()}")
+    return view.stride(0)
