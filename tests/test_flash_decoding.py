@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 from kernels.flash_decoding import DecodeConfig, decode_config, decode_ref, flash_decode  # noqa: E402
 from kernels.flash_decoding import kernel as decode_kernel  # noqa: E402
 from kernels.flash_decoding import launch  # noqa: E402
+from kernels.flash_decoding.launch import GpuResources  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FACTOR = 2.0
@@ -146,28 +147,38 @@ def test_flash_decode_rejects_bad_inputs_in_one_line(change, message):
         flash_decode(q, k, v, lengths, gate_cache=gate, window_size=change.get("window"))
 
 
-H100_LIKE, CONSUMER = (132, 232448), (128, 101376)  # (SMs, shared memory per program): an H100/H200, an RTX 4090
+H100_LIKE = GpuResources(132, 232448, 3.35e12)  # SMs, shared memory per program, HBM bytes/s
+H200_LIKE = GpuResources(132, 232448, 4.92e12)
+CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
 
 
 @pytest.mark.parametrize("gpu, batch, kv_heads, capacity, head_dim, expected", [
-    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(22, 64, 4, 3), id="gpt2-B1-32k"),  # one sequence: 2 per SM
-    pytest.param(H100_LIKE, 2, 12, 32768, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B2-32k"),  # 384 programs: 3 per SM
+    pytest.param(H100_LIKE, 1, 12, 32768, 64, DecodeConfig(22, 64, 4, 3), id="gpt2-B1-32k"),  # 2 per SM in flight
+    pytest.param(H100_LIKE, 2, 12, 32768, 64, DecodeConfig(11, 64, 4, 3), id="gpt2-B2-32k"),  # 264 programs
+    pytest.param(H100_LIKE, 4, 12, 32768, 64, DecodeConfig(5, 64, 4, 3), id="gpt2-B4-32k"),  # 240: balanced enough
+    pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 128, 4, 2), id="gpt2-B8-32k"),  # 2 splits: 192, uneven
+    pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 128, 4, 2), id="gpt2-B32-32k"),  # 384 pairs: no split
     pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
-    pytest.param(H100_LIKE, 4, 12, 32768, 64, DecodeConfig(8, 64, 4, 3), id="gpt2-B4-32k"),  # 384
-    pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 64, 4, 3), id="gpt2-B8-32k"),  # 384
-    pytest.param(H100_LIKE, 16, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="gpt2-B16-32k"),  # 384
-    pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="gpt2-B32-32k"),  # 384 pairs: no split
-    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(4, 64, 4, 3), id="gqa-B8-32k"),  # 2 per SM fit: 256
+    pytest.param(H100_LIKE, 1, 8, 32768, 128, DecodeConfig(16, 64, 4, 3), id="gqa-B1-32k"),  # 1 per SM in flight
+    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(2, 64, 4, 3), id="gqa-B8-32k"),
+    pytest.param(H200_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 128, 4, 2), id="h200-gpt2-B1-32k"),  # 1.5x the bandwidth
+    pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 4, 3), id="h200-gqa-B1-32k"),
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
-    pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(21, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 100 KB: 2 per SM
+    pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(10, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 1 TB/s: 1 per SM
 ])
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
-    """Splits make as many programs per SM as its shared memory holds at the tiles, at most 3 (2 for one
-    sequence), each split at least one step of keys, at most 128; the splits given are kept."""
+    """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs
+    unevenly; each split at least one step of keys, at most 128; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda, num_splits=3).num_splits == 3
+
+
+def test_the_gpu_bandwidth_comes_from_its_memory_clock_and_bus():
+    """An H100 SXM reports a 2619 MHz clock on a 5120-bit bus: 3.35 TB/s at double data rate."""
+    props = {"multiprocessor_count": 132, "max_shared_mem": 232448, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+    assert launch.resources_of(props) == GpuResources(132, 232448, pytest.approx(3.352e12, rel=1e-3))
 
 
 # ---------------------------------------------------------------------------------------------

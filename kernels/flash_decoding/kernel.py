@@ -1,6 +1,6 @@
 """Flash-decoding in Triton: a few new queries against a KV cache, the cache split over programs.
 
-**Split kernel.** Grid (S, B * H_kv). Program (s, b, hk) takes every query head of KV head hk (the
+**Split kernel.** Grid (B * H_kv, S). Program (b, hk, s) takes every query head of KV head hk (the
 G = H / H_kv heads that share it: GQA packed into one program, as FlashAttention's
 ``flash_attn_with_kvcache`` does) and every one of the Tq new queries of sequence b: G * Tq rows,
 padded to ``BLOCK_M`` >= 16 for ``tl.dot``. Each row's keys are read once per program, whatever G.
@@ -9,7 +9,10 @@ multiples of ``BLOCK_N``); program s streams chunk s through an online softmax i
 ``log2(e)`` is folded into the scale) and writes its rows' normalised partial output and their
 log-sum-exp. A chunk is cut from the sequence's own length, read on the device, so one launch (and
 one captured CUDA graph) serves every length up to the cache's capacity; programs past a short
-sequence's keys find an empty chunk and write lse = -inf.
+sequence's keys find an empty chunk and write lse = -inf. The grid runs (b, hk) fastest, so
+programs that start together read the same rows of the (B, T_max, H_kv, D) cache, side by side:
+on an H100 (2026-11-26) GPT-2's heads at batch 2 read a 64k cache in 137.7 µs against 142.8 with
+the splits fastest, and batch 16 a 16k cache in 270.0 against 280.4.
 
 **Merge kernel.** Grid (B * H * Tq,): one program per output row folds the S partial outputs
 together, each weighted by exp(lse_s - max lse) (the merge ring attention does across ranks), and
@@ -55,8 +58,8 @@ def _decode_split_kernel(
 ):
     if PDL:
         gdc_launch_dependents()  # the merge kernel's programs may start now; they wait for this grid's end
-    i_s = tl.program_id(0)
-    i_bk = tl.program_id(1)
+    i_bk = tl.program_id(0)
+    i_s = tl.program_id(1)
     h_kv = H // G
     i_b = i_bk // h_kv
     i_hk = i_bk % h_kv
@@ -197,7 +200,7 @@ def decode_launch(
     pdl = not single and (dependent_launch(q.device) if pdl is None else pdl)
     sc = gate_cache.stride() if gate_cache is not None else (0, 0, 0)
     block_d = triton.next_power_of_2(D)
-    _decode_split_kernel[(num_splits, B * k_cache.shape[2])](
+    _decode_split_kernel[(B * k_cache.shape[2], num_splits)](
         q, k_cache, v_cache, gate_cache, cache_seqlens, o, lse, o_part, lse_part,
         softmax_scale * 1.4426950408889634, window, Tq, H, G, num_splits,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *sc, *o.stride()[:3],

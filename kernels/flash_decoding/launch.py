@@ -4,38 +4,45 @@
 kernel's keys per step, warps and pipeline stages. Nothing depends on the sequences' lengths, which
 live on the device, so one captured CUDA graph replays at every length.
 
-**Splits.** A decode step reads the cache once and lasts as long as its busiest SM. The B * H_kv
-(sequence, KV head) pairs are split so that every SM gets ``per_sm`` programs at once: as many as
-its shared memory holds at the tiles below, at most ``MOST_PER_SM`` (3 at D = 64 on an H100/H200, 2
-at D = 128, 2 on a ~100 KB consumer card), splits = (per_sm * SMs) // pairs. Each split takes at
-least one ``block_n`` of the capacity, and there are at most ``MAX_SPLITS``. On an H200
-(scripts/bench_decode.py's sweeps, 2026-11-26): GPT-2's 12 heads at batch 4 split 8 ways (384
-programs) read a 32k cache in 95.7 µs against 99.8 at 5 ways of 128-key tiles (one wave of two
-programs per SM) and cuDNN's 96.9; at batch 16, 2 ways (384) against 4 (768), 357 µs against 406; at
-batch 2, 16 ways, 51.2 µs against 52.5 at 11. One sequence (batch 1) gets at most
-``ONE_SEQUENCE_PER_SM`` (2) programs per SM: GPT-2's 12 heads split 22 ways read 16k / 32k / 64k caches
-in 22.0 / 38.9 / 71.1 µs against 22.6 / 40.5 / 74.7 at 33 ways on an H100, in two calls; on an H200,
-in one call, 15.8 / 30.3 / 52.9 against 17.1 / 29.7 / 52.2 (docs/runs/2026-11-26-decode-5).
+**Programs per SM.** A decode step reads the cache once, so it lasts as long as the HBM takes to
+deliver it, and the HBM delivers at its full rate only while enough loads are in flight. A program
+keeps ``num_stages - 1`` tiles of K and V in flight ahead of the one it computes on; an SM needs
+about ``IN_FLIGHT_S`` of its share of the HBM's bandwidth (bandwidth * IN_FLIGHT_S / SMs bytes) in
+flight, so it gets ``per_sm`` = that many bytes over one program's, rounded up, at most as many as its
+shared memory holds and ``MOST_PER_SM``. More than that queues loads behind each other and reads
+slower: on an H100 (2026-11-26, docs/runs/2026-11-26-decode-6) a 32k GQA cache (8 KV heads of 128) at
+batch 8 took 677.6 µs at one program per SM against 698.1 at two (cuDNN 697.7), and GPT-2's heads at
+batch 2 133.9 µs at two against 137.5 at three. The H200's HBM is 1.4x faster for the same SMs, and
+there two programs per SM read a GQA cache faster than one.
+
+**Splits.** The B * H_kv (sequence, KV head) pairs are split so that there are per_sm programs per SM:
+splits = per_sm * SMs // pairs, each split at least one step of keys, at most ``MAX_SPLITS``. Where that
+leaves SMs with fewer programs than others (the programs over SMs * the waves they take under
+``BALANCED``, as GPT-2's 12 heads at batch 8: 2 splits make 192 programs for 132 SMs), per_sm grows until
+they even out (4 splits, 384 programs: 137.8 µs against 142.3 at a 16k cache).
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
-``NUM_STAGES`` stages of K and V tiles in flight. Neither a fourth stage nor 128-key tiles paid
-where the programs fill the SMs (batch 32, 32k: 728 µs at 4 stages against 702 at 3; batch 8, 32k:
-220 µs at 128 keys against 193).
+``NUM_STAGES`` stages. Where more than two programs share an SM at D <= 64, ``LONG_BLOCK_N`` keys in
+two stages keep the same bytes in flight in half as many steps: at batch 32 of GPT-2's heads 532.7 µs
+against 538.2 at a 16k cache (cuDNN 531.4); with fewer programs per SM the shorter steps were faster
+(batch 4, 16k: 70.8 against 73.0).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
 
-MOST_PER_SM = 3  # programs per SM at most: enough loads in flight to keep its share of the HBM busy
-ONE_SEQUENCE_PER_SM = 2  # at batch 1 (module docstring)
+IN_FLIGHT_S = 2.4e-6  # seconds of an SM's share of the HBM's bandwidth kept in flight (module docstring)
+MOST_PER_SM = 3
 MAX_SPLITS = 128
-BLOCK_N, WIDE_BLOCK_N = 64, 32  # keys per step for D <= 128, and past it
+BALANCED = 0.9  # programs / (SMs * waves) at least
+BLOCK_N, LONG_BLOCK_N, WIDE_BLOCK_N = 64, 128, 32  # keys per step: D <= 128; D <= 64 at 3+ programs per SM; past 128
 NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_STAGES, LONG_STAGES = 3, 2
 
 
 class DecodeConfig(NamedTuple):
@@ -45,29 +52,60 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
+class GpuResources(NamedTuple):
+    sms: int
+    smem: int  # shared memory one program may use, bytes
+    hbm_bytes_per_s: float  # the memory's peak bandwidth
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_resources(device: torch.device) -> tuple[int, int]:
-    """(SMs, shared memory per program in bytes) of CUDA ``device``."""
+def gpu_resources(device: torch.device) -> GpuResources:
+    """SMs, shared memory per program and memory bandwidth of CUDA ``device``."""
     import triton
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return torch.cuda.get_device_properties(index).multi_processor_count, int(smem)
+    return resources_of(triton.runtime.driver.active.utils.get_device_properties(index))
+
+
+def resources_of(props: dict) -> GpuResources:
+    """GpuResources from Triton's device properties; the bandwidth from the memory clock (kHz), double
+    data rate, and bus width (bits): 3.35 TB/s on an H100 SXM."""
+    bandwidth = 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8
+    return GpuResources(props["multiprocessor_count"], int(props["max_shared_mem"]), bandwidth)
 
 
 def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_bytes: int, device: torch.device,
                   num_splits: int | None = None) -> DecodeConfig:
     """The launch of ``batch`` sequences of ``kv_heads`` KV heads of ``head_dim``, ``elem_bytes`` each, in a
-    cache of ``capacity`` rows on ``device``; ``num_splits`` given: that many splits. On a CPU (the
-    interpreter): one split."""
+    cache of ``capacity`` rows on ``device``; ``num_splits`` given: that many splits, at the default tiles.
+    On a CPU (the interpreter): one split."""
     block_n = BLOCK_N if head_dim <= 128 else WIDE_BLOCK_N
-    if num_splits is None and device.type == "cuda":
-        sms, smem = gpu_resources(device)
-        program_bytes = NUM_STAGES * 2 * block_n * _next_power_of_2(head_dim) * elem_bytes  # K and V tiles in flight
-        per_sm = max(1, min(MOST_PER_SM if batch > 1 else ONE_SEQUENCE_PER_SM, smem // program_bytes))
-        most = min(-(-capacity // block_n), MAX_SPLITS)
-        num_splits = max(1, min(per_sm * sms // (batch * kv_heads), most))
-    return DecodeConfig(num_splits or 1, block_n, NUM_WARPS, NUM_STAGES)
+    config = DecodeConfig(num_splits or 1, block_n, NUM_WARPS, NUM_STAGES)
+    if num_splits is not None or device.type != "cuda":
+        return config
+    gpu = gpu_resources(device)
+    tile_bytes = 2 * block_n * _next_power_of_2(head_dim) * elem_bytes  # a step's K and V
+    fits = max(1, min(MOST_PER_SM, gpu.smem // (NUM_STAGES * tile_bytes)))
+    share = gpu.hbm_bytes_per_s * IN_FLIGHT_S / gpu.sms
+    per_sm = min(fits, max(1, math.ceil(share / ((NUM_STAGES - 1) * tile_bytes))))
+    pairs = batch * kv_heads
+    splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
+    while per_sm < fits and splits < -(-capacity // block_n) and _balance(splits * pairs, gpu.sms) < BALANCED:
+        per_sm += 1
+        splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
+    if head_dim <= 64 and splits * pairs > 2 * gpu.sms and splits * LONG_BLOCK_N <= capacity:
+        return DecodeConfig(splits, LONG_BLOCK_N, NUM_WARPS, LONG_STAGES)
+    return config._replace(num_splits=splits)
+
+
+def _splits(per_sm: int, sms: int, pairs: int, capacity: int, block_n: int) -> int:
+    """Splits that give ``per_sm`` programs per SM, at least one step of keys each, at most MAX_SPLITS."""
+    return max(1, min(per_sm * sms // pairs, -(-capacity // block_n), MAX_SPLITS))
+
+
+def _balance(programs: int, sms: int) -> float:
+    """How evenly ``programs`` share the SMs: their number over SMs times the waves they take."""
+    return programs / (sms * -(-programs // sms))
 
 
 def _next_power_of_2(n: int) -> int:
