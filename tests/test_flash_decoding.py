@@ -148,7 +148,7 @@ def test_flash_decode_rejects_bad_inputs_in_one_line(change, message):
 
 
 H100_LIKE = GpuResources(132, 232448, 3.35e12)  # SMs, shared memory per program, HBM bytes/s
-H200_LIKE = GpuResources(132, 232448, 4.92e12)
+H200_LIKE = GpuResources(132, 232448, 4.81e12)
 CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
 
 
@@ -161,14 +161,16 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
     pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
     pytest.param(H100_LIKE, 1, 8, 32768, 128, DecodeConfig(16, 64, 4, 3), id="gqa-B1-32k"),  # 1 per SM in flight
     pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(2, 64, 4, 3), id="gqa-B8-32k"),
-    pytest.param(H200_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 128, 4, 2), id="h200-gpt2-B1-32k"),  # 1.5x the bandwidth
+    pytest.param(H200_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 64, 4, 3), id="h200-gpt2-B1-32k"),  # 1.5x the bandwidth: 3 per SM
+    pytest.param(H200_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="h200-gpt2-B32-32k"),  # all needed
     pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 4, 3), id="h200-gqa-B1-32k"),
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
     pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(10, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 1 TB/s: 1 per SM
 ])
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
     """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs
-    unevenly; each split at least one step of keys, at most 128; the splits given are kept."""
+    unevenly, in 128-key steps past what the bandwidth needs (D <= 64); each split at least one step
+    of keys, at most 128; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected

@@ -10,10 +10,10 @@ keeps ``num_stages - 1`` tiles of K and V in flight ahead of the one it computes
 about ``IN_FLIGHT_S`` of its share of the HBM's bandwidth (bandwidth * IN_FLIGHT_S / SMs bytes) in
 flight, so it gets ``per_sm`` = that many bytes over one program's, rounded up, at most as many as its
 shared memory holds and ``MOST_PER_SM``. More than that queues loads behind each other and reads
-slower: on an H100 (2026-11-26, docs/runs/2026-11-26-decode-6) a 32k GQA cache (8 KV heads of 128) at
+slower: on an H100 (2026-11-26, docs/runs/2026-11-26-decode-6) a 64k GQA cache (8 KV heads of 128) at
 batch 8 took 677.6 µs at one program per SM against 698.1 at two (cuDNN 697.7), and GPT-2's heads at
 batch 2 133.9 µs at two against 137.5 at three. The H200's HBM is 1.4x faster for the same SMs, and
-there two programs per SM read a GQA cache faster than one.
+there two programs per SM read that GQA cache faster than one (474.7 µs against 521.7).
 
 **Splits.** The B * H_kv (sequence, KV head) pairs are split so that there are per_sm programs per SM:
 splits = per_sm * SMs // pairs, each split at least one step of keys, at most ``MAX_SPLITS``. Where that
@@ -22,10 +22,12 @@ leaves SMs with fewer programs than others (the programs over SMs * the waves th
 they even out (4 splits, 384 programs: 137.8 µs against 142.3 at a 16k cache).
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
-``NUM_STAGES`` stages. Where more than two programs share an SM at D <= 64, ``LONG_BLOCK_N`` keys in
-two stages keep the same bytes in flight in half as many steps: at batch 32 of GPT-2's heads 532.7 µs
-against 538.2 at a 16k cache (cuDNN 531.4); with fewer programs per SM the shorter steps were faster
-(batch 4, 16k: 70.8 against 73.0).
+``NUM_STAGES`` stages. Where an SM gets more programs than the bandwidth asks for (the batch or the
+balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages keep the same bytes in flight
+in half as many steps: on an H100, where two programs per SM are enough, GPT-2's heads at batch 32
+read a 16k cache in 532.7 µs against 538.2 in 64-key steps (cuDNN 531.4). On an H200, where three
+are needed, the three-stage pipeline of 64-key steps was faster at every batch (batch 32, 16k:
+350.5 µs against 359.1, cuDNN 350.8; docs/runs/2026-11-26-decode-6).
 """
 
 from __future__ import annotations
@@ -87,13 +89,14 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
     tile_bytes = 2 * block_n * _next_power_of_2(head_dim) * elem_bytes  # a step's K and V
     fits = max(1, min(MOST_PER_SM, gpu.smem // (NUM_STAGES * tile_bytes)))
     share = gpu.hbm_bytes_per_s * IN_FLIGHT_S / gpu.sms
-    per_sm = min(fits, max(1, math.ceil(share / ((NUM_STAGES - 1) * tile_bytes))))
+    needed = min(fits, max(1, math.ceil(share / ((NUM_STAGES - 1) * tile_bytes))))  # programs per SM for the HBM
     pairs = batch * kv_heads
+    per_sm = needed
     splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
     while per_sm < fits and splits < -(-capacity // block_n) and _balance(splits * pairs, gpu.sms) < BALANCED:
         per_sm += 1
         splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
-    if head_dim <= 64 and splits * pairs > 2 * gpu.sms and splits * LONG_BLOCK_N <= capacity:
+    if head_dim <= 64 and splits * pairs > needed * gpu.sms and splits * LONG_BLOCK_N <= capacity:
         return DecodeConfig(splits, LONG_BLOCK_N, NUM_WARPS, LONG_STAGES)
     return config._replace(num_splits=splits)
 
