@@ -166,6 +166,7 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
     pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 4, 3), id="h200-gqa-B1-32k"),
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
     pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(10, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 1 TB/s: 1 per SM
+    pytest.param(CONSUMER, 8, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="consumer-gpt2-B8-32k"),  # 2 long don't fit
 ])
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
     """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs

@@ -23,8 +23,8 @@ they even out (4 splits, 384 programs: 137.8 µs against 142.3 at a 16k cache).
 
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
 ``NUM_STAGES`` stages. Where an SM gets more programs than the bandwidth asks for (the batch or the
-balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages keep the same bytes in flight
-in half as many steps: on an H100, where two programs per SM are enough, GPT-2's heads at batch 32
+balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages, where they fit, keep the same
+bytes in flight in half as many steps: on an H100, where two programs per SM are enough, GPT-2's heads at batch 32
 read a 16k cache in 532.7 µs against 538.2 in 64-key steps (cuDNN 531.4). On an H200, where three
 are needed, the three-stage pipeline of 64-key steps was faster at every batch (batch 32, 16k:
 350.5 µs against 359.1, cuDNN 350.8; docs/runs/2026-11-26-decode-6).
@@ -42,7 +42,7 @@ IN_FLIGHT_S = 2.4e-6  # seconds of an SM's share of the HBM's bandwidth kept in 
 MOST_PER_SM = 3
 MAX_SPLITS = 128
 BALANCED = 0.9  # programs / (SMs * waves) at least
-BLOCK_N, LONG_BLOCK_N, WIDE_BLOCK_N = 64, 128, 32  # keys per step: D <= 128; D <= 64 at 3+ programs per SM; past 128
+BLOCK_N, LONG_BLOCK_N, WIDE_BLOCK_N = 64, 128, 32  # keys per step: D <= 128; D <= 64 past the programs needed; past 128
 NUM_WARPS = 4
 NUM_STAGES, LONG_STAGES = 3, 2
 
@@ -96,7 +96,10 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
     while per_sm < fits and splits < -(-capacity // block_n) and _balance(splits * pairs, gpu.sms) < BALANCED:
         per_sm += 1
         splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
-    if head_dim <= 64 and splits * pairs > needed * gpu.sms and splits * LONG_BLOCK_N <= capacity:
+    resident = min(-(-splits * pairs // gpu.sms), MOST_PER_SM)  # programs an SM holds at once
+    long_program_bytes = LONG_STAGES * tile_bytes * LONG_BLOCK_N // block_n
+    if (head_dim <= 64 and splits * pairs > needed * gpu.sms and splits * LONG_BLOCK_N <= capacity
+            and resident * long_program_bytes <= gpu.smem):
         return DecodeConfig(splits, LONG_BLOCK_N, NUM_WARPS, LONG_STAGES)
     return config._replace(num_splits=splits)
 
