@@ -81,10 +81,14 @@ def test_sigkill_at_random_steps_then_resume_matches_the_uninterrupted_run(tmp_p
     proc = subprocess.run(train_cmd(run_dir, data_cache), cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "resuming from" in proc.stdout
-    assert metrics(run_dir) == metrics(reference_run)
     final = lambda d: load_checkpoint(d / "checkpoints" / "step_0000060.pt")["model"]
     a, b = final(run_dir), final(reference_run)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    resumed, uninterrupted = metrics(run_dir), metrics(reference_run)
+    records = [(x, y) for x, y in zip(resumed, uninterrupted) if x != y]
+    assert len(resumed) == len(uninterrupted) and not records and not differing, (
+        f"{len(records)} of {len(uninterrupted)} records differ (resumed, uninterrupted): {records[:4]}; "
+        f"final weights differ in {differing[:6]}")
 
 
 def test_sigterm_saves_at_the_step_boundary_and_the_resumed_run_is_exact(tmp_path, data_cache, reference_run):
