@@ -30,7 +30,10 @@ SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDP
 CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN and
 memory-efficient. Microseconds per call replayed from a CUDA graph (the GPU's time; our eager
 call's too), and GB/s of K and V read (2 * B * L * H_kv * D * 2 bytes), against the HBM's ~3.35
-TB/s on an H100 and ~4.8 TB/s on an H200.
+TB/s on an H100 and ~4.8 TB/s on an H200. Each call reads its own copy of the cache, taken in turn
+("copies": enough to hold twice the GPU's L2 together), as a model's layers read theirs, so every
+cache comes from HBM; ``--l2-warm`` reads one cache in every call instead (from L2 where it fits,
+under ~50 MB on an H100).
 
 ``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits around
 the default launch, and round 1's launch (64 keys, 4 warps, 3 stages, splits for 2 programs per SM
@@ -46,6 +49,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -289,14 +293,14 @@ def check_context() -> None:
         raise SystemExit(f"error: the CUDA context is unusable ({first_line(err)}); the measurements stop here") from err
 
 
-def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
+def kernel_rows(lengths, batches, l2_warm: bool) -> tuple[list[dict], dict]:
     """One row per (H, H_kv, D, B, L) (``kernel_row``); and the CUDA kernels SDPA launched as it
     picks, at the first length of each (H, H_kv, D, B)."""
     rows, picked = [], {}
     for H, H_kv, D in HEADS:
         for B in batches if H == H_kv else [b for b in batches if b in GQA_BATCHES]:
             for L in lengths:
-                row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, name_sdpa=L == lengths[0])
+                row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, l2_warm, name_sdpa=L == lengths[0])
                 if sdpa_kernels:
                     picked[(H, H_kv, D, B)] = sdpa_kernels
                 rows.append(row)
@@ -304,11 +308,31 @@ def kernel_rows(lengths, batches) -> tuple[list[dict], dict]:
     return rows, picked
 
 
-def decode_inputs(B: int, L: int, H: int, H_kv: int, D: int):
-    """q (B, 1, H, D), k and v (B, L, H_kv, D) bf16, lengths (B,) int32 = L: a full cache."""
+def decode_inputs(B: int, L: int, H: int, H_kv: int, D: int, l2_warm: bool):
+    """q (B, 1, H, D); caches, a list of (k, v) pairs, each (B, L, H_kv, D) bf16 (``cache_copies`` of
+    them); lengths (B,) int32 = L: full caches."""
     q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
-    k, v = (torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
-    return q, k, v, torch.full((B,), L, dtype=torch.int32, device=CUDA)
+    copies = cache_copies(2 * B * L * H_kv * D * 2, l2_warm)
+    caches = [tuple(torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(copies)]
+    return q, caches, torch.full((B,), L, dtype=torch.int32, device=CUDA)
+
+
+def cache_copies(cache_bytes: int, l2_warm: bool) -> int:
+    """How many copies of a cache the timed calls take in turn: enough to hold twice the GPU's L2
+    together, as a model's layers do, so that every call reads its cache from HBM; one with
+    ``l2_warm`` (then each replay reads the cache the last one read, from L2 where it fits: caches
+    under ~50 MB on an H100)."""
+    if l2_warm:
+        return 1
+    return max(1, math.ceil(2 * torch.cuda.get_device_properties(CUDA).L2_cache_size / cache_bytes))
+
+
+def per_call_us(call, caches) -> tuple[float, str]:
+    """(microseconds of one ``call(k, v)``: all the copies in turn, replayed from a CUDA graph, over
+    their number; "") or (NaN, the error's first line), as ``gpu_us``."""
+    us, error = gpu_us(lambda: [call(k, v) for k, v in caches])
+    return us / len(caches), error
 
 
 def launch_name(config) -> str:
@@ -316,30 +340,32 @@ def launch_name(config) -> str:
     return "/".join(map(str, config))
 
 
-def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, name_sdpa: bool) -> tuple[dict, str]:
-    """Our kernel and each SDPA, one new query against a full cache of L keys, in microseconds; and,
-    with ``name_sdpa``, the kernels SDPA launched as it picks."""
+def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, l2_warm: bool, name_sdpa: bool) -> tuple[dict, str]:
+    """Our kernel and each SDPA, one new query against a full cache of L keys, in microseconds (each
+    call on its own copy of the cache: ``cache_copies``); and, with ``name_sdpa``, the kernels SDPA
+    launched as it picks."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels.flash_decoding import decode_config, flash_decode
 
-    q, k, v, lengths = decode_inputs(B, L, H, H_kv, D)
-    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+    q, caches, lengths = decode_inputs(B, L, H, H_kv, D, l2_warm)
+    qh = q.transpose(1, 2)
 
-    def ours():
+    def ours(k, v):
         return flash_decode(q, k, v, lengths)
 
     def sdpa(kernel=None):
-        def run():
+        def run(k, v):
             with sdpa_kernel(getattr(SDPBackend, kernel)) if kernel else contextlib.nullcontext():
-                return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=H != H_kv)
+                return F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=H != H_kv)
         return run
 
+    eager_us = median_ms(lambda: [ours(k, v) for k, v in caches], CUDA) * 1e3 / len(caches)
     row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(decode_config(B, H_kv, L, D, 2, CUDA)),
-               gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=gpu_us(ours)[0], ours_eager_us=median_ms(ours, CUDA) * 1e3,
-               sdpa_us=gpu_us(sdpa())[0])
-    row.update({f"{name}_us": gpu_us(sdpa(kernel))[0] for name, kernel in SDPA_FORCED.items()})
-    return row, launched_kernels(sdpa()) if name_sdpa else ""
+               copies=len(caches), gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=per_call_us(ours, caches)[0],
+               ours_eager_us=eager_us, sdpa_us=per_call_us(sdpa(), caches)[0])
+    row.update({f"{name}_us": per_call_us(sdpa(kernel), caches)[0] for name, kernel in SDPA_FORCED.items()})
+    return row, launched_kernels(lambda: sdpa()(*caches[0])) if name_sdpa else ""
 
 
 def kernel_line(r: dict) -> str:
@@ -347,13 +373,13 @@ def kernel_line(r: dict) -> str:
         return "n/a" if us != us else f"{us:.1f} ({r['gb'] / (us * 1e-6):.0f})"
 
     sdpa = [cell(r[f"{name}_us"]) for name in SDPA_FORCED]
-    return (f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['launch']} | {cell(r['ours_us'])} | "
+    return (f"| {r['H']}/{r['H_kv']}/{r['D']} | {r['B']} | {r['L']} | {r['copies']} | {r['launch']} | {cell(r['ours_us'])} | "
             f"{r['ours_eager_us']:.1f} | {cell(r['sdpa_us'])} | " + " | ".join(sdpa) + " |")
 
 
-KERNEL_HEAD = ["| H/H_kv/D | B | cache L | launch (splits/keys per step/warps/stages) | ours µs (GB/s) | ours eager µs | "
+KERNEL_HEAD = ["| H/H_kv/D | B | cache L | copies | launch (splits/keys per step/warps/stages) | ours µs (GB/s) | ours eager µs | "
                "SDPA µs (GB/s) | " + " | ".join(f"SDPA {name} µs (GB/s)" for name in SDPA_FORCED) + " |",
-               "|---|---|---|---|---|---|---|" + "---|" * len(SDPA_FORCED)]
+               "|---|---|---|---|---|---|---|---|" + "---|" * len(SDPA_FORCED)]
 
 
 # --- sweep ----------------------------------------------------------------------------------------
@@ -387,20 +413,20 @@ def sweep_settings(default, round1) -> list:
     return list(dict.fromkeys(settings))  # each once, in order
 
 
-def sweep_rows(batches, lengths) -> list[dict]:
+def sweep_rows(batches, lengths, l2_warm: bool) -> list[dict]:
     """One row per launch setting (``sweep_settings``) of each head shape, batch and cache length."""
-    return [row for H, H_kv, D in HEADS for B in batches for L in lengths for row in sweep_case(H, H_kv, D, B, L)]
+    return [row for H, H_kv, D in HEADS for B in batches for L in lengths for row in sweep_case(H, H_kv, D, B, L, l2_warm)]
 
 
-def sweep_case(H: int, H_kv: int, D: int, B: int, L: int) -> list[dict]:
+def sweep_case(H: int, H_kv: int, D: int, B: int, L: int, l2_warm: bool) -> list[dict]:
     """µs and GB/s of each launch setting at one shape, batch and full cache of L keys."""
     from kernels.flash_decoding import decode_config, decode_launch
 
-    q, k, v, seqlens = decode_inputs(B, L, H, H_kv, D)
+    q, caches, seqlens = decode_inputs(B, L, H, H_kv, D, l2_warm)
     default, round1 = decode_config(B, H_kv, L, D, 2, CUDA), round1_launch(B, H_kv, L, D)
     rows = []
     for config in sweep_settings(default, round1):
-        us, error = gpu_us(lambda: decode_launch(q, k, v, seqlens, None, D ** -0.5, 0, *config))
+        us, error = per_call_us(lambda k, v: decode_launch(q, k, v, seqlens, None, D ** -0.5, 0, *config), caches)
         tag = " (default)" if config == default else " (round 1)" if config == round1 else ""
         rows.append(dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(config) + tag, us=us,
                          gb_s=2 * B * L * H_kv * D * 2 / 1e9 / (us * 1e-6), error=error))
@@ -439,6 +465,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=sizes, default=",".join(map(str, LENGTHS)), help="kernel: cache lengths")
     parser.add_argument("--sweep-batches", type=sizes, default=",".join(map(str, SWEEP_BATCHES)), help="sweep: batch sizes")
     parser.add_argument("--sweep-lengths", type=sizes, default=",".join(map(str, SWEEP_LENGTHS)), help="sweep: cache lengths")
+    parser.add_argument("--l2-warm", action="store_true",
+                        help="kernel, sweep: every call reads one cache, from L2 where it fits (default: copies in turn, from HBM)")
     parser.add_argument("--time-cap", type=float, default=5.0, help="generate: seconds the uncached run may take")
     args = parser.parse_args()
     parts = parse_list(args.parts)
@@ -459,13 +487,13 @@ def main() -> None:
               [row_line(r) for r in rows], rows)
     if "kernel" in parts:
         print("\n".join(KERNEL_HEAD), flush=True)
-        rows, picked = kernel_rows(args.lengths, args.kernel_batches)
+        rows, picked = kernel_rows(args.lengths, args.kernel_batches, args.l2_warm)
         notes = [f"- SDPA's kernels at H/H_kv/D {h}/{hk}/{d}, B {b}: {names}" for (h, hk, d, b), names in picked.items()]
         write(args.out / "kernel", f"# Decode kernel, one new query, bf16: {title}", KERNEL_HEAD,
               [kernel_line(r) for r in rows] + [""] + notes, rows)
     if "sweep" in parts:
         print("\n".join(SWEEP_HEAD), flush=True)
-        rows = sweep_rows(args.sweep_batches, args.sweep_lengths)
+        rows = sweep_rows(args.sweep_batches, args.sweep_lengths, args.l2_warm)
         write(args.out / "sweep", f"# Split-kernel launch settings, one new query, bf16: {title}", SWEEP_HEAD,
               [sweep_line(r) for r in rows], rows)
 

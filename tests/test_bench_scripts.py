@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -534,3 +535,12 @@ def test_decode_round_refuses_in_one_line_before_running_anything(tmp_path, fold
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and why in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_decode_benchmark_reads_each_cache_from_hbm_unless_told(monkeypatch):
+    """Copies of a cache hold twice the L2 together (a 50 MB L2: 34 copies of 3 MB), one past it; one with --l2-warm."""
+    bench = load_script("bench_decode")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(L2_cache_size=50 * 2**20))
+    assert bench.cache_copies(3 * 2**20, l2_warm=False) == 34
+    assert bench.cache_copies(2**30, l2_warm=False) == 1
+    assert bench.cache_copies(3 * 2**20, l2_warm=True) == 1
