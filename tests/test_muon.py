@@ -168,7 +168,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_each_role_at_its_lr()
 
 def ddp_final_weights(rank: int, world: int) -> dict:
     """Three optimizer steps of a tiny recipe GPT under Muon with DDP over ``world`` gloo ranks (rank r
-    takes rows r::world of each global batch of 4): the final weights."""
+    takes rows r::world of each global batch of 4): {"start": the weights before, "end": after}."""
     from torch.nn.parallel import DistributedDataParallel
 
     from training.config import OptimConfig, TrainerConfig
@@ -177,6 +177,7 @@ def ddp_final_weights(rank: int, world: int) -> dict:
     from training.step import train_step
 
     model = tiny_gpt(qk_norm=True, mlp="relu2", value_embeds=1, skips="unet", logit_softcap=10.0)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
     step_model = DistributedDataParallel(model) if world > 1 else model
     opt = build_optimizer(model, OptimConfig(name="muon", muon_lr=0.05), torch.device("cpu"))
     gen = torch.Generator().manual_seed(5)
@@ -195,14 +196,20 @@ def ddp_final_weights(rank: int, world: int) -> dict:
         set_lr(opt, 1e-3)
         train_step(step_model, model, opt, make_grad_scaler(torch.device("cpu"), torch.float32), loader,
                    TrainerConfig(grad_accum=1), torch.device("cpu"), torch.float32)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return {"start": start, "end": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def test_ddp_over_two_gloo_ranks_steps_like_one_process(tmp_path):
-    two = on_gloo_ranks(ddp_final_weights, 2, tmp_path)
+    """Every tensor within 1 % of the largest step it took. The ranks add their gradients in another
+    order than one process does, and AdamW and Muon normalise each update, so an element whose
+    gradient sums to about zero moves by what the rounding leaves: 6e-4 of a step on an AMD EPYC
+    (2026-11-27: value_embeds.0.weight[24, 5], 1.8e-6 against 3.0e-3), where a 1e-6 tolerance failed.
+    Ranks that never synchronise (each trains on its half) differ by 0.24-1.9 steps in every tensor."""
+    two = on_gloo_ranks(ddp_final_weights, 2, tmp_path)["end"]
     one = ddp_final_weights(0, 1)
-    for key, value in one.items():
-        torch.testing.assert_close(two[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for key, value in one["end"].items():
+        step = (value - one["start"][key]).abs().max().item()
+        torch.testing.assert_close(two[key], value, rtol=0, atol=1e-2 * step + 1e-7, msg=key)
 
 
 def test_fsdp_is_refused_in_one_line(data_cache):
