@@ -37,8 +37,8 @@ under ~50 MB on an H100).
 
 ``sweep``: the split kernel's keys per step, warps, pipeline stages and number of splits around
 the default launch, and round 1's launch (64 keys, 4 warps, 3 stages, splits for 2 programs per SM
-rounded up), at caches of 1k and 32k, batch 1 and 8, for both head shapes. A cell that could not
-be measured names the error.
+rounded up), at caches of 1k and 32k, batch 1 and 8, for both head shapes, each cache read as in
+``kernel``. A cell that could not be measured names the error.
 
 Writes generate.md/.json, kernel.md/.csv, sweep.md/.csv and env.json to --out. About 4 minutes on
 an H100. Needs a CUDA GPU.
