@@ -312,20 +312,25 @@ def decode_inputs(B: int, L: int, H: int, H_kv: int, D: int, l2_warm: bool):
     """q (B, 1, H, D); caches, a list of (k, v) pairs, each (B, L, H_kv, D) bf16 (``cache_copies`` of
     them); lengths (B,) int32 = L: full caches."""
     q = torch.randn(B, 1, H, D, device=CUDA, dtype=torch.bfloat16)
-    copies = cache_copies(2 * B * L * H_kv * D * 2, l2_warm)
+    copies = cache_copies(cache_bytes(B, L, H_kv, D), l2_warm)
     caches = [tuple(torch.randn(B, L, H_kv, D, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
               for _ in range(copies)]
     return q, caches, torch.full((B,), L, dtype=torch.int32, device=CUDA)
 
 
-def cache_copies(cache_bytes: int, l2_warm: bool) -> int:
+def cache_bytes(B: int, L: int, H_kv: int, D: int) -> int:
+    """Bytes of one bf16 cache: K and V, (B, L, H_kv, D) each."""
+    return 2 * B * L * H_kv * D * 2
+
+
+def cache_copies(nbytes: int, l2_warm: bool) -> int:
     """How many copies of a cache the timed calls take in turn: enough to hold twice the GPU's L2
     together, as a model's layers do, so that every call reads its cache from HBM; one with
     ``l2_warm`` (then each replay reads the cache the last one read, from L2 where it fits: caches
     under ~50 MB on an H100)."""
     if l2_warm:
         return 1
-    return max(1, math.ceil(2 * torch.cuda.get_device_properties(CUDA).L2_cache_size / cache_bytes))
+    return max(1, math.ceil(2 * torch.cuda.get_device_properties(CUDA).L2_cache_size / nbytes))
 
 
 def per_call_us(call, caches) -> tuple[float, str]:
@@ -362,7 +367,7 @@ def kernel_row(H: int, H_kv: int, D: int, B: int, L: int, l2_warm: bool, name_sd
 
     eager_us = median_ms(lambda: [ours(k, v) for k, v in caches], CUDA) * 1e3 / len(caches)
     row = dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(decode_config(B, H_kv, L, D, 2, CUDA)),
-               copies=len(caches), gb=2 * B * L * H_kv * D * 2 / 1e9, ours_us=per_call_us(ours, caches)[0],
+               copies=len(caches), gb=cache_bytes(B, L, H_kv, D) / 1e9, ours_us=per_call_us(ours, caches)[0],
                ours_eager_us=eager_us, sdpa_us=per_call_us(sdpa(), caches)[0])
     row.update({f"{name}_us": per_call_us(sdpa(kernel), caches)[0] for name, kernel in SDPA_FORCED.items()})
     return row, launched_kernels(lambda: sdpa()(*caches[0])) if name_sdpa else ""
@@ -429,7 +434,7 @@ def sweep_case(H: int, H_kv: int, D: int, B: int, L: int, l2_warm: bool) -> list
         us, error = per_call_us(lambda k, v: decode_launch(q, k, v, seqlens, None, D ** -0.5, 0, *config), caches)
         tag = " (default)" if config == default else " (round 1)" if config == round1 else ""
         rows.append(dict(H=H, H_kv=H_kv, D=D, B=B, L=L, launch=launch_name(config) + tag, us=us,
-                         gb_s=2 * B * L * H_kv * D * 2 / 1e9 / (us * 1e-6), error=error))
+                         gb_s=cache_bytes(B, L, H_kv, D) / 1e9 / (us * 1e-6), error=error))
         print(sweep_line(rows[-1]), flush=True)
     return rows
 
