@@ -37,6 +37,7 @@ def sm90_ptx() -> dict:
     TRITON_INTERPRET (which the CPU suite sets, and which turns triton's library into interpreted code)."""
     variants = [(k, d, t, c) for k in ("fwd", "bwd") for d in hopper.HEAD_DIMS for t in ("bf16", "fp16")
                 for c in (True, False)]
+    variants += [("bwd_dq", d, "bf16", c) for d in hopper.HEAD_DIMS for c in (True, False)]
     code = ("import json, sys; from kernels.flash_attention.hopper import compile_for_sm90; "
             f"print(json.dumps([compile_for_sm90(*v) for v in {variants!r}]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -56,6 +57,18 @@ def test_the_kernels_compile_for_sm90_with_wgmma_and_tma(sm90_ptx, kernel, head_
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx and "mbarrier.arrive" in ptx
+    assert "cp.reduce.async.bulk" not in ptx  # only the variant that adds dQ reduces
+
+
+@pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_dkdv_kernel_adds_dq_by_tma_reduce_add(sm90_ptx, head_dim, causal):
+    """With dQ, the dK/dV kernel adds it into fp32 by TMA (triton 3.6-3.7: the op the Gluon builder has but its
+    tma module does not name), waits for each add to have read shared memory, and runs five matmuls a step."""
+    ptx, without = sm90_ptx[("bwd_dq", head_dim, "bf16", causal)], sm90_ptx[("bwd", head_dim, "bf16", causal)]
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+    assert "cp.async.bulk.wait_group.read" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert ptx.count("wgmma.mma_async") > without.count("wgmma.mma_async")
 
 
 def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
@@ -146,9 +159,11 @@ def _max_err(a, b) -> float:
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal):
+@pytest.mark.parametrize("dq_in_dkdv", [False, True], ids=["dq-tl", "dq-in-dkdv"])
+def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, packed, dtype, causal, dq_in_dkdv):
     """o and lse of the forward (bound: 2x the error of the reference computed in the inputs'
-    precision, plus an atol), dq, dk, dv of the backward (3x, as the tl kernel's tests)."""
+    precision, plus an atol), dq, dk, dv of the backward (3x, as the tl kernel's tests), with dQ from the
+    tl kernel or added by the dK/dV kernel."""
     q, k, v = _inputs(B, T, H, H_kv, D, dtype, packed)
     do = torch.randn(B, T, H, D, device="cuda", dtype=dtype)
     assert hopper.unsupported(q, k, v, 0, None, 0.0, None) is None
@@ -156,7 +171,7 @@ def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, pac
     o, lse = hopper.attn_fwd_sm90(q, k, v, scale, causal)
     dqkv = torch.empty(B, T, H + 2 * H_kv, D, device="cuda", dtype=dtype)
     out = dqkv.split([H, H_kv, H_kv], dim=2) if packed else None
-    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal, out=out)
+    grads = hopper.attn_bwd_sm90(do, q, k, v, o, lse, scale, causal, out=out, dq_in_dkdv=dq_in_dkdv)
     assert not packed or all(grad is view for grad, view in zip(grads, out))  # a packed gradient, written in place
 
     def reference(compute_dtype):
@@ -195,3 +210,18 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
     packed = {kernel: flash_attn_qkvpacked(qkv, 4, causal=causal, kernel=kernel) for kernel in ("gluon", "tl")}
     dqkv = {kernel: torch.autograd.grad(o, qkv, do)[0] for kernel, o in packed.items()}
     assert (dqkv["gluon"].float() - dqkv["tl"].float()).abs().max().item() <= 2e-2 * dqkv["tl"].float().abs().max().item() + 1e-2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+def test_long_sequences_add_dq_in_the_dkdv_kernel_and_match_the_tl_kernels_cuda():
+    """From T = DQ_IN_DKDV_FROM_T, flash_attn's Hopper backward adds dQ in the dK/dV kernel; its gradients
+    match the tl kernels' to bf16 rounding."""
+    T = hopper.DQ_IN_DKDV_FROM_T
+    q, k, v = (x.requires_grad_() for x in _inputs(1, T, 2, 1, 128, torch.bfloat16, False))
+    do = torch.randn_like(q)
+    grads = {}
+    for kernel in ("gluon", "tl"):
+        o = flash_attn(q, k, v, causal=True, kernel=kernel)
+        grads[kernel] = torch.autograd.grad(o, (q, k, v), do)
+    for a, b in zip(grads["gluon"], grads["tl"]):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item() + 1e-2

@@ -22,11 +22,10 @@ first version, which ran both warpgroups in step behind a CTA barrier per block;
 ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). At the end O / l and
 lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it).
 
-**Backward.** The ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)), then a
-warp-specialised dK/dV kernel: one program per 2 * ``BWD_HALF_N`` = 128 keys of one (batch, KV
-head), a producer warp that loads both halves' K and V once and then Q and dO of every (query head,
-``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, and two consumer
-warpgroups of 64 keys each. Keys are the rows of every matmul, so dK and dV stay in registers:
+**Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
+one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
+every (query head, ``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, and two
+consumer warpgroups of 64 keys each. Keys are the rows of every matmul, so dK and dV stay in registers:
 
     issue S^T = K Q^T, wait             wgmma, operands in shared memory
     P^T = exp2(S^T * scale * log2 e - lse * log2 e)   (masked where the diagonal or the end crosses)
@@ -35,10 +34,18 @@ warpgroups of 64 keys each. Keys are the rows of every matmul, so dK and dV stay
     issue dK += dS^T Q, wait for both, release the slot
 
 (dP^T issued with S^T instead keeps both score tiles live at once: 396 bytes of spills at D = 128
-and 1-5 % slower.)
+and 1-5 % slower.) dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
+- T < ``DQ_IN_DKDV_FROM_T``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
+  first, recomputing S and dP: seven matmuls, deterministic.
+- From there on, FlashAttention-3's five matmuls: both warpgroups write their dS^T into shared memory, each
+  computes half of D of the step's dQ = dS K over all 128 keys, stores it to shared memory and adds it into
+  an fp32 sum with TMA's reduce-add (``cp.reduce.async.bulk.tensor``; triton 3.6-3.7's Gluon builds the op
+  without naming it, 3.8 names it ``tma.async_atomic_add``). Two small kernels around it write delta and
+  scale and cast dQ. The adds' order varies, so dq may differ in its last bit from run to run. On an H100
+  this is 1.04-1.07x the other way at T = 8192 and 16384, 0.97-1.02x at 2048-4096 (docs/KERNEL.md); scalar
+  fp32 atomics in place of the reduce-add were 4-5x slower.
 
-No dQ here, so no atomics (the first Gluon backward added dQ = dS K atomically into an fp32 buffer:
-4-5x slower). Queuing the next step's score matmuls behind dV and dK, and 32-row query steps,
+Queuing the next step's score matmuls behind dV and dK, 32-row query steps and a third ring slot
 measured no faster (docs/KERNEL.md).
 
 The inputs are 2-D views (B * T, H * D) of q, k, v (B, T, H|H_kv, D), contiguous: a tile is rows
@@ -55,17 +62,36 @@ from __future__ import annotations
 import functools
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
+ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
 AUTO_HEAD_DIMS = (128,)  # where attention.kernel=auto runs these kernels (faster than the tl ones; docs/KERNEL.md)
+DQ_IN_DKDV_FROM_T = 8192  # from this T the dK/dV kernel adds dQ itself; below, the tl dQ kernel is as fast or faster
 # Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """TMA's reduce-add of a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor ... add``) for
+    triton 3.6-3.7, whose Gluon builder has the op but whose ``tma`` module does not name it."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# Gluon names TMA's reduce-add from triton 3.8 (tma.async_atomic_add).
+tma_add = tma.async_atomic_add if hasattr(tma, "async_atomic_add") else _tma_add_36
 
 
 @gluon.jit
@@ -298,17 +324,17 @@ def _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS
 def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     """The backward's producer warp: both halves of the key block's K and V once, then Q and dO of
     every (query head, query block) step into a ring, each slot refilled once both consumers released it."""
-    q_desc, k_desc, v_desc, do_desc = descs
-    k_smem, v_smem, q_smem, do_smem = bufs
-    kv_bar, ready, empty = bars
+    q_desc, k_desc, v_desc, do_desc, dq_desc = descs
+    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem = bufs
+    kv_bar, ready, empty, ds_full, ds_free = bars
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
-    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = v_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
-    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    tma_load(k_desc, [row0 + k_start, kv_head * HEAD_DIM], kv_bar, k_smem)
     for half in gl.static_range(2):
-        tma_load(k_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, k_smem.index(half))
         tma_load(v_desc, [row0 + k_start + half * HALF_N, kv_head * HEAD_DIM], kv_bar, v_smem.index(half))
     for i in range(group * m_blocks):
         slot = i % STAGES
@@ -321,16 +347,20 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 
 @gluon.jit
-def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  WITH_DQ: gl.constexpr):
     """One consumer warpgroup: dK and dV of keys [k_start + HALF * HALF_N, + HALF_N), summed over the
     steps' query blocks; keys are the rows of every matmul (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO,
-    dK += dSᵀ Q), so both accumulators stay in registers."""
-    q_desc, k_desc, v_desc, do_desc = descs
-    k_smem, v_smem, q_smem, do_smem = bufs
-    kv_bar, ready, empty = bars
+    dK += dSᵀ Q), so both accumulators stay in registers. WITH_DQ: both warpgroups' dSᵀ meet in shared memory
+    (mbarriers ds_full / ds_free), and this one computes its half of D of the step's dQ = dS K over all
+    2 * HALF_N keys and TMA-adds it into the fp32 sum (one add in flight: the next waits until the last has
+    read dq_smem)."""
+    q_desc, k_desc, v_desc, do_desc, dq_desc = descs
+    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem = bufs
+    kv_bar, ready, empty, ds_full, ds_free = bars
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
     lse_ptr, delta_ptr, dk_ptr, dv_ptr = ptrs
-    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+    HALF_N: gl.constexpr = v_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -347,11 +377,15 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     batch = row0 // T
     qk_scale = sm_scale * 1.4426950408889634
     offs_k = k_lo + gl.arange(0, HALF_N, layout=t_keys)
-    k = k_smem.index(HALF)
+    k = k_smem.slice(HALF * HALF_N, HALF_N)
     v = v_smem.index(HALF)
     dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, layout=kv_layout)
     t_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, layout=t_layout)
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])  # (queries, D / 2)
+    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(group * m_blocks):
         slot = i % STAGES
@@ -367,9 +401,29 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
         dst = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(empty.index(slot), count=1)
+        if WITH_DQ:  # both halves' dSᵀ in shared memory; this warpgroup's half of D of dQ = dS K, TMA-added
+            my_dq = dq_smem.index(HALF)
+            my_ds = ds_smem.slice(HALF * HALF_N, HALF_N)  # (my keys, queries)
+            k_cols = k_smem.slice(HALF * HALF_D, HALF_D, dim=1)  # (both halves' keys, my half of D)
+            mbarrier.wait(ds_free, (i & 1) ^ 1)  # both read the last step's dSᵀ
+            my_ds.store(dst)
+            fence_async_shared()
+            mbarrier.arrive(ds_full, count=1)
+            dk = warpgroup_mma(my_ds, q, dk, is_async=True)
+            mbarrier.wait(ds_full, i & 1)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
+            mbarrier.arrive(empty.index(slot), count=1)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+            mbarrier.arrive(ds_free, count=1)
+            tma.store_wait(0)  # the last step's add has read my_dq
+            my_dq.store(dq)
+            fence_async_shared()
+            tma_add(dq_desc, [row0 + q_start, (kv_head * group + i // m_blocks) * HEAD_DIM + HALF * HALF_D], my_dq)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(slot), count=1)
 
     kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
@@ -378,35 +432,59 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     inside = (keys < T)[:, None]
     gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype), mask=inside)
     gl.store(dv_ptr + offsets, dv.to(dtype), mask=inside)
+    if WITH_DQ:
+        tma.store_wait(0)
 
 
 @gluon.jit
 def _dkdv_lo_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True, False)
+
+
+@gluon.jit
+def _dkdv_lo_causal_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, True, True)
 
 
 @gluon.jit
 def _dkdv_hi_causal(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True, False)
+
+
+@gluon.jit
+def _dkdv_hi_causal_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, True, True)
 
 
 @gluon.jit
 def _dkdv_lo_full(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False, False)
+
+
+@gluon.jit
+def _dkdv_lo_full_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 0, False, True)
 
 
 @gluon.jit
 def _dkdv_hi_full(descs, bufs, bars, sizes, ptrs, sm_scale):
-    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False)
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False, False)
 
 
 @gluon.jit
-def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, DKV_ROW, T, H, GROUP,
-                        sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows) of one (batch, KV head) per
-    program, a producer warp and two consumer warpgroups of HALF_N keys each. dk and dv: (B, T, H_kv, D)
-    with DKV_ROW elements from one token to the next (H_kv * D contiguous; more in a packed gradient)."""
-    HALF_N: gl.constexpr = k_desc.block_type.shape[0]
+def _dkdv_hi_full_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
+    _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, 1, False, True)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, DKV_ROW, T, H,
+                        GROUP, sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr):
+    """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows; v_desc reads HALF_N) of one (batch,
+    KV head) per program, a producer warp and two consumer warpgroups of HALF_N keys each. dk and dv:
+    (B, T, H_kv, D) with DKV_ROW elements from one token to the next (H_kv * D contiguous; more in a packed
+    gradient). WITH_DQ: dQ is added too, into the float32 (B * T, H * D) that dq_desc (tiles of BLOCK_M x D / 2)
+    describes; without, dq_desc is not read."""
+    HALF_N: gl.constexpr = v_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
@@ -421,10 +499,21 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
     else:
         first_m = 0
     m_blocks = gl.cdiv(T, BLOCK_M) - first_m
-    k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2 * HALF_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HALF_N, BLOCK_M], dtype)
+    if WITH_DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * HALF_N, BLOCK_M], ds_layout)
+    else:  # unused stand-ins
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        ds_smem = gl.allocate_shared_memory(dtype, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(ds_full, count=2)
+    mbarrier.init(ds_free, count=2)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -432,30 +521,76 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-    args = ((q_desc, k_desc, v_desc, do_desc), (k_smem, v_smem, q_smem, do_smem), (kv_bar, ready, empty),
+    args = ((q_desc, k_desc, v_desc, do_desc, dq_desc), (k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem),
+            (kv_bar, ready, empty, ds_full, ds_free),
             (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H, DKV_ROW),
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), sm_scale)
-    if IS_CAUSAL:
-        gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
-                           [240, 24])
+    if WITH_DQ:
+        if IS_CAUSAL:
+            gl.warp_specialize([(_dkdv_lo_causal_dq, args), (_dkdv_hi_causal_dq, args), (_dkdv_load, args)],
+                               [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([(_dkdv_lo_full_dq, args), (_dkdv_hi_full_dq, args), (_dkdv_load, args)], [4, 1],
+                               [240, 24])
     else:
-        gl.warp_specialize([(_dkdv_lo_full, args), (_dkdv_hi_full, args), (_dkdv_load, args)], [4, 1], [240, 24])
+        if IS_CAUSAL:
+            gl.warp_specialize([(_dkdv_lo_causal, args), (_dkdv_hi_causal, args), (_dkdv_load, args)], [4, 1],
+                               [240, 24])
+        else:
+            gl.warp_specialize([(_dkdv_lo_full, args), (_dkdv_hi_full, args), (_dkdv_load, args)], [4, 1],
+                               [240, 24])
+
+
+@constexpr_function
+def _rows_layout(head_dim):
+    """A blocked layout of (rows, head_dim) tiles over 4 warps: 8 contiguous elements a thread along D."""
+    head_dim = getattr(head_dim, "value", head_dim)
+    return gl.BlockedLayout([1, 8], [32 // (head_dim // 8), head_dim // 8], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _bwd_delta(o_ptr, do_ptr, delta_ptr, O_ROW, DO_ROW, T, H, n_rows, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
+    """delta = rowsum(dO * O) (B, H, T) float32 of BLOCK (token, head) rows per program; o and do are read
+    as (B * T, H * D) views with O_ROW and DO_ROW elements from one token to the next."""
+    layout: gl.constexpr = _rows_layout(HEAD_DIM)
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    token = rows // H
+    head = rows % H
+    inside = (rows < n_rows)[:, None]
+    o = gl.load(o_ptr + (token * O_ROW + head * HEAD_DIM)[:, None] + cols[None, :], mask=inside, other=0.0)
+    do = gl.load(do_ptr + (token * DO_ROW + head * HEAD_DIM)[:, None] + cols[None, :], mask=inside, other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), axis=1)
+    gl.store(delta_ptr + ((token // T) * H + head) * T + token % T, delta, mask=rows < n_rows)
+
+
+@gluon.jit
+def _bwd_dq_out(acc_ptr, dq_ptr, DQ_ROW, H, n_rows, sm_scale, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr):
+    """dq = sm_scale * the fp32 sum (B * T * H, D) the dK/dV kernel added, in dq's dtype, BLOCK (token, head)
+    rows per program; dq is written as a (B * T, H * D) view with DQ_ROW elements from one token to the next."""
+    layout: gl.constexpr = _rows_layout(HEAD_DIM)
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    inside = (rows < n_rows)[:, None]
+    acc = gl.load(acc_ptr + (rows * HEAD_DIM)[:, None] + cols[None, :], mask=inside, other=0.0)
+    out = dq_ptr + ((rows // H) * DQ_ROW + (rows % H) * HEAD_DIM)[:, None] + cols[None, :]
+    gl.store(out, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=inside)
 
 
 def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
-    """The PTX of the forward (kernel "fwd") or the backward's dK/dV kernel ("bwd") compiled for sm90a at the launch's
-    tiles, without a GPU (Gluon has no interpreter: this is how a CPU checks them). dtype: "bf16" or
-    "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library functions are
-    interpreted otherwise)."""
+    """The PTX of the forward (kernel "fwd"), the backward's dK/dV kernel ("bwd") or that kernel adding dQ too
+    ("bwd_dq") compiled for sm90a at the launch's tiles, without a GPU (Gluon has no interpreter: this is how a CPU
+    checks them). dtype: "bf16" or "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library
+    functions are interpreted otherwise)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
 
-    def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
-        return f"tensordesc<{dtype}[{rows}, {head_dim}],{layout!r}>"
+    def descriptor(rows, name=dtype, of=element, cols=head_dim):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], of)
+        return f"tensordesc<{name}[{rows}, {cols}],{layout!r}>"
 
     if kernel == "fwd":
         fn, rows_q, rows_kv = _attn_fwd_sm90, FWD_HALF_M, FWD_BLOCK_N
@@ -466,11 +601,13 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         fn, rows_q, rows_kv = _attn_bwd_dkdv_sm90, BWD_BLOCK_M, BWD_HALF_N
         pointers = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}"}
         scalars = {"sm_scale": "fp32"}
-        constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES}
+        constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES, "WITH_DQ": kernel == "bwd_dq"}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
-    if kernel == "bwd":
+    if kernel != "fwd":
         descriptors["do_desc"] = descriptor(rows_q)
-    rows = {"DKV_ROW": "i32"} if kernel == "bwd" else {}
+        descriptors["k_desc"] = descriptor(2 * rows_kv)
+        descriptors["dq_desc"] = descriptor(rows_q, "fp32", gl.float32, head_dim // 2)
+    rows = {"DKV_ROW": "i32"} if kernel != "fwd" else {}
     signature = {**descriptors, **pointers, **rows, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -543,26 +680,59 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     return o, lse
 
 
-def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=None):
+def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=None, dq_in_dkdv: bool | None = None):
     """The Hopper backward for a call :func:`unsupported` accepts: dq (B, T, H, D), dk, dv (B, T, H_kv, D)
     in q's dtype, new and contiguous, or written into ``out`` = (dq, dk, dv) (a packed gradient's views:
-    dk and dv with the same strides, D contiguous, heads adjacent, batches T tokens apart). dQ and delta
-    = rowsum(dO * O) come from the tl dQ kernel (backward.attn_bwd), dK and dV from the warp-specialised
-    Gluon kernel; lse: (B, H, T) float32, natural log, as either forward writes it."""
+    each with D contiguous, heads adjacent and batches T tokens apart; dk and dv with the same strides).
+    lse: (B, H, T) float32, natural log, as either forward writes it.
+
+    dq_in_dkdv (None: T >= ``DQ_IN_DKDV_FROM_T``): the warp-specialised kernel adds dQ = dS K into an fp32 sum
+    by TMA's reduce-add (five matmuls; run to run, dq may differ in its last bit), between a delta = rowsum(dO * O)
+    kernel and one that scales and casts dQ. Otherwise the tl dQ kernel (backward.attn_bwd, which also writes
+    delta) runs before it (seven matmuls, deterministic)."""
+    import torch
+
     from .backward import attn_bwd
 
     do = do if tma_view(do) is not None else do.contiguous()
+    B, T, H, D = q.shape
+    if dq_in_dkdv is None:
+        dq_in_dkdv = T >= DQ_IN_DKDV_FROM_T
 
-    def dkdv(q, k, v, do, lse, delta, dk, dv):
-        B, T, H, D = q.shape
+    def dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum=None):
+        dq_in = dq_sum is not None
+        dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
-        _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), lse, delta, dk, dv, token_stride(dk, dv), T, H,
-                                  H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, num_warps=4,
-                                  maxnreg=WS_MAXNREG)
+        _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
+                                  descriptor(do, BWD_BLOCK_M), sum_descriptor(dq_sum, D // 2), lse, delta, dk, dv,
+                                  token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES,
+                                  dq_in, num_warps=4, maxnreg=WS_MAXNREG)
 
-    dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
+    if not dq_in_dkdv:
+        dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
+        return dq, dk, dv
+    dq, dk, dv = out if out is not None else (q.new_empty((B, T, H, D)), k.new_empty(k.shape), v.new_empty(v.shape))
+    if B * T == 0:
+        return dq, dk, dv
+    o = o if tma_view(o) is not None else o.contiguous()
+    n_rows = B * T * H
+    rows_grid = (-(-n_rows // ROWS_BLOCK),)
+    delta = q.new_empty((B, H, T), dtype=torch.float32)
+    _bwd_delta[rows_grid](o, do, delta, tma_view(o).stride(0), tma_view(do).stride(0), T, H, n_rows, D, ROWS_BLOCK,
+                          num_warps=4)
+    dq_sum = torch.zeros((B * T, H * D), dtype=torch.float32, device=q.device)
+    dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum)
+    _bwd_dq_out[rows_grid](dq_sum, dq, token_stride(dq, dq), H, n_rows, softmax_scale, D, ROWS_BLOCK, num_warps=4)
     return dq, dk, dv
+
+
+def sum_descriptor(x, cols: int):
+    """The TMA descriptor of a 2-D float32 x in tiles of ``BWD_BLOCK_M`` x cols: where the dK/dV kernel adds
+    dQ."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, cols], gl.float32)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [BWD_BLOCK_M, cols], layout)
 
 
 def token_stride(dk, dv) -> int:
