@@ -1,11 +1,12 @@
 """The Hopper kernels in Gluon (kernels/flash_attention/hopper.py) and the switch that picks them
 (``flash_attn(kernel=...)``, ``attention.kernel``).
 
-On CPU: the kernel compiles for sm90a (``GPUTarget("cuda", 90, 32)``; Gluon has no interpreter) at
-every head dim and dtype it takes, and its PTX holds the wgmma and TMA instructions it is written
-with. On an sm90 GPU: o and lse against a float64 reference, bounded by twice the error of the same
-reference computed in the inputs' precision plus an atol, over causal and full attention, GQA, odd
-T and q, k, v read from a packed qkv.
+On CPU: the kernels compile for sm90a (``GPUTarget("cuda", 90, 32)``; Gluon has no interpreter) at
+every head dim and dtype they take, and their PTX holds the wgmma, TMA and TMA reduce-add instructions
+they are written with. On an sm90 GPU: o, lse, dq, dk and dv against a float64 reference, bounded by a
+multiple of the error of the same reference computed in the inputs' precision plus an atol, over causal
+and full attention, GQA, odd T, q, k, v read from a packed qkv, and dQ from the tl kernel or added in
+the dK/dV kernel.
 """
 
 from __future__ import annotations
