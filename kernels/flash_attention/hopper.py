@@ -22,8 +22,8 @@ first version, which ran both warpgroups in step behind a CTA barrier per block;
 ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). At the end O / l and
 lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it). O goes out by TMA through the
 warpgroup's Q slot (free once its last S_j is done) where its 64 rows lie inside the sequence, by masked
-stores where they do not (rows past T belong to the next sequence): 1.03-1.18x the masked stores
-everywhere at T <= 2048 on an H100 (docs/KERNEL.md).
+stores where they do not (rows past T belong to the next sequence): 1.03-1.18x masked stores at
+(8,16,2048,128) and (16,16,1024,128) on an H100 (docs/KERNEL.md).
 
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
