@@ -666,12 +666,18 @@ def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | 
 
 def descriptor(x, rows: int):
     """The TMA descriptor of x's 2-D view (:func:`tma_view`) in tiles of ``rows`` x D."""
+    return tile_descriptor(tma_view(x), rows, x.shape[-1])
+
+
+def tile_descriptor(view, rows: int, cols: int):
+    """The TMA descriptor of a 2-D bf16, fp16 or float32 view in tiles of rows x cols (Gluon's default
+    shared-memory layout for them)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    view, D = tma_view(x), x.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, D], layout)
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[view.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], element)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], layout)
 
 
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
@@ -717,7 +723,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
         dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), sum_descriptor(dq_sum, D // 2), lse, delta, dk, dv,
+                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2), lse, delta, dk, dv,
                                   token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES,
                                   dq_in, num_warps=4, maxnreg=WS_MAXNREG)
 
@@ -737,15 +743,6 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum)
     _bwd_dq_out[rows_grid](dq_sum, dq, token_stride(dq, dq), H, n_rows, softmax_scale, D, ROWS_BLOCK, num_warps=4)
     return dq, dk, dv
-
-
-def sum_descriptor(x, cols: int):
-    """The TMA descriptor of a 2-D float32 x in tiles of ``BWD_BLOCK_M`` x cols: where the dK/dV kernel adds
-    dQ."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, cols], gl.float32)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [BWD_BLOCK_M, cols], layout)
 
 
 def token_stride(dk, dv) -> int:
