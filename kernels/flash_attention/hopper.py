@@ -74,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
+FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of, where that leaves programs for 3 SM waves
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
@@ -116,39 +117,91 @@ def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from,
 
 
 @gluon.jit
-def _fwd_load(descs, bufs, bars, sizes, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The producer warp: both halves' Q tiles once, then K_j and V_j of every key block into their
-    rings, each slot refilled once both consumers have released it."""
-    q_desc, k_desc, v_desc, o_desc = descs
-    q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty = bars
-    row0, q_start, head, kv_col, n_blocks, T = sizes
-    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    for half in gl.static_range(2):
-        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
-        tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_bars.index(half), q_smem.index(half))
-    for j in range(n_blocks):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh mbarrier passes a wait for phase 1
-        mbarrier.wait(k_empty.index(slot), free)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+def _fwd_tile(k, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr):
+    """The program's k-th tile (k < 2 * heads): of its (batch, query head) k // 2, the query block
+    n_m - 1 - pair for even k, pair for odd k, so that every program meets n_m + 1 key blocks a head under
+    the causal mask. Returns (whether the tile exists, first row of its sequence in the 2-D views, its first
+    query, head, its KV head's column, key blocks)."""
+    n_m, n_bh, T, H, GROUP, heads = sched
+    pair = gl.program_id(0)
+    pid_bh = gl.program_id(1) * heads + k // 2
+    block = gl.where(k % 2 == 1, pair, n_m - 1 - pair)
+    exists = (pid_bh < n_bh) & ((k % 2 == 0) | (block != n_m - 1 - pair))
+    head = pid_bh % H
+    q_start = block * ROWS
+    if IS_CAUSAL:
+        n_blocks = gl.cdiv(gl.minimum(T, q_start + ROWS), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(T, BLOCK_N)
+    return exists, (pid_bh // H) * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks
 
 
 @gluon.jit
-def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One consumer warpgroup: query rows [q_start + HALF * HALF_M, + HALF_M) against every key block,
-    FlashAttention-3's overlap within the warpgroup (S_j issued before O += P_{j-1} V_{j-1}); each
-    K/V slot released to the producer as soon as its wgmma is done. The two consumers run unsynchronised,
-    so one's softmax overlaps the other's matmuls."""
+def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """The producer warp, for each of the program's tiles: both halves' Q tiles once each half's slot is
+    free (its O stored), then K_j and V_j of every key block into their rings, each slot refilled once
+    both consumers have released it. The rings run on across tiles."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_smem, k_smem, v_smem = bufs
-    q_bars, k_ready, k_empty, v_ready, v_empty = bars
-    row0, q_start, head, kv_col, n_blocks, T = sizes
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    kv_it = 0
+    tile_it = 0
+    for k in range(2 * sched[5]):
+        exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
+        if exists:
+            for half in gl.static_range(2):
+                mbarrier.wait(q_empty.index(half), (tile_it & 1) ^ 1)  # a fresh mbarrier passes a wait for phase 1
+                mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+                tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_ready.index(half),
+                         q_smem.index(half))
+            for j in range(n_blocks):
+                slot = (kv_it + j) % STAGES
+                free = (((kv_it + j) // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(slot), free)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), free)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+            kv_it += n_blocks
+            tile_it += 1
+
+
+@gluon.jit
+def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup, for each of the program's tiles: query rows [q_start + HALF * HALF_M,
+    + HALF_M) of the tile (:func:`_fwd_block_rows`), its Q slot released once its O is stored."""
+    q_ready, q_empty = bars[0], bars[1]
+    T, H = sched[2], sched[3]
+    HALF_M: gl.constexpr = descs[0].block_type.shape[0]
+    kv_it = 0
+    tile_it = 0
+    for k in range(2 * sched[5]):
+        exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
+        if exists:
+            mbarrier.wait(q_ready.index(HALF), tile_it & 1)
+            _fwd_block_rows(descs, bufs, bars, (row0, q_start + HALF * HALF_M, head, n_blocks, kv_it, T, H), o_ptr,
+                            lse_ptr, qk_scale, HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)
+            mbarrier.arrive(q_empty.index(HALF), count=1)
+            kv_it += n_blocks
+            tile_it += 1
+
+
+@gluon.jit
+def _fwd_block_rows(descs, bufs, bars, block, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """A consumer's HALF_M query rows from m_start against every key block, FlashAttention-3's overlap
+    within the warpgroup (S_j issued before O += P_{j-1} V_{j-1}); each K/V slot released to the producer
+    as soon as its wgmma is done. kv_it: the rings' blocks consumed before this tile. The two consumers
+    run unsynchronised, so one's softmax overlaps the other's matmuls. O and lse out at the end."""
+    q_desc, k_desc, v_desc, o_desc = descs
+    q_smem, k_smem, v_smem = bufs
+    k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
+    row0, m_start, head, n_blocks, kv_it, T, H = block
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -161,7 +214,6 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
 
-    m_start = q_start + HALF * HALF_M
     if IS_CAUSAL:
         mask_from = gl.minimum(m_start + 1, T)
     else:
@@ -171,22 +223,22 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
     q = q_smem.index(HALF)
 
-    mbarrier.wait(q_bars.index(HALF), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    first = kv_it % STAGES
+    mbarrier.wait(k_ready.index(first), (kv_it // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(first).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(first), count=1)
     p, m_i, l_i, alpha = _softmax_block(s, gl.full([HALF_M], float("-inf"), gl.float32, layout=s_rows),
                                         gl.zeros([HALF_M], gl.float32, layout=s_rows), offs_m, 0,
                                         gl.arange(0, BLOCK_N, layout=s_cols), T, qk_scale, mask_from, IS_CAUSAL,
                                         BLOCK_N)
     for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        slot = (kv_it + j) % STAGES
+        prev = (kv_it + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), ((kv_it + j) // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((kv_it + j - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -195,9 +247,9 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
                                             mask_from, IS_CAUSAL, BLOCK_N)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(prev), count=1)
-    last = (n_blocks - 1) % STAGES
+    last = (kv_it + n_blocks - 1) % STAGES
     acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(last), ((kv_it + n_blocks - 1) // STAGES) & 1)
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(last), count=1)
@@ -206,7 +258,7 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
     gl.store(lse_ptr + (batch * H + head) * T + offs_m, lse, mask=offs_m < T)
     out = acc / gl.convert_layout(l_i, o_rows)[:, None]
-    if m_start + HALF_M <= T:  # by TMA through Q's slot, free since the last Sᵀ
+    if m_start + HALF_M <= T:  # by TMA through Q's slot, free since the last S_j
         q.store(out.to(dtype))
         fence_async_shared()
         tma_store(o_desc, [row0 + m_start, head * HEAD_DIM], q)
@@ -219,68 +271,73 @@ def _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl
 
 
 @gluon.jit
-def _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF: gl.constexpr,
+def _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
                    IS_CAUSAL: gl.constexpr):
     """A consumer partition; its tiles come from the descriptors' and buffers' shapes (a partition's
     arguments pass no constexprs)."""
-    _fwd_compute(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, HALF, IS_CAUSAL,
+    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF, IS_CAUSAL,
                  descs[1].block_type.shape[1], descs[1].block_type.shape[0], bufs[1].type.shape[0])
 
 
 @gluon.jit
-def _fwd_lo_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
-    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, True)
-
-
-@gluon.jit
-def _fwd_hi_causal(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
-    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, True)
-
-
-@gluon.jit
-def _fwd_lo_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
-    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 0, False)
-
-
-@gluon.jit
-def _fwd_hi_full(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
-    _fwd_partition(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale, 1, False)
-
-
-@gluon.jit
-def _fwd_load_worker(descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale):
-    _fwd_load(descs, bufs, bars, sizes, descs[1].block_type.shape[1], descs[1].block_type.shape[0],
+def _fwd_loader(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr):
+    _fwd_load(descs, bufs, bars, sched, IS_CAUSAL, descs[1].block_type.shape[1], descs[1].block_type.shape[0],
               bufs[1].type.shape[0])
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, T, H, GROUP, qk_scale,
-                      IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr):
-    """The warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
-    q_desc's HALF_M rows each (the default partition and one worker); 2 * HALF_M query rows of one
-    (batch, query head) per program. o_desc and o_ptr: the same output (B, T, H, D), contiguous."""
+def _fwd_lo_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, True)
+
+
+@gluon.jit
+def _fwd_hi_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, True)
+
+
+@gluon.jit
+def _fwd_load_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_loader(descs, bufs, bars, sched, True)
+
+
+@gluon.jit
+def _fwd_lo_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, False)
+
+
+@gluon.jit
+def _fwd_hi_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, False)
+
+
+@gluon.jit
+def _fwd_load_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
+    _fwd_loader(descs, bufs, bars, sched, False)
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROUP, HEADS, qk_scale,
+                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """The persistent warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
+    q_desc's HALF_M rows each (the default partition and one worker). Tile t = 2 * HALF_M query rows of
+    one (batch, query head) (:func:`_fwd_tile`); program p takes tiles p, p + programs, ... o_desc and
+    o_ptr: the same output (B, T, H, D), contiguous."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    batch = pid_bh // H
-    head = pid_bh % H
-    q_start = pid_m * 2 * HALF_M
-    if IS_CAUSAL:
-        n_blocks = gl.cdiv(gl.minimum(T, q_start + 2 * HALF_M), BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(T, BLOCK_N)
+    n_m = gl.cdiv(T, 2 * HALF_M)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for half in gl.static_range(2):
-        mbarrier.init(q_bars.index(half), count=1)
+        mbarrier.init(q_ready.index(half), count=1)
+        mbarrier.init(q_empty.index(half), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -288,15 +345,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, T, H, GROUP, 
         mbarrier.init(v_empty.index(i), count=2)
     descs = (q_desc, k_desc, v_desc, o_desc)
     bufs = (q_smem, k_smem, v_smem)
-    bars = (q_bars, k_ready, k_empty, v_ready, v_empty)
-    sizes = (batch * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks, T)
-    worker_args = (descs, bufs, bars, sizes, o_ptr, lse_ptr, H, qk_scale)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    sched = (n_m, B * H, T, H, GROUP, HEADS)
+    worker_args = (descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale)
     if IS_CAUSAL:
         gl.warp_specialize([(_fwd_lo_causal, worker_args), (_fwd_hi_causal, worker_args),
-                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+                            (_fwd_load_causal, worker_args)], [4, 1], [240, 24])
     else:
         gl.warp_specialize([(_fwd_lo_full, worker_args), (_fwd_hi_full, worker_args),
-                            (_fwd_load_worker, worker_args)], [4, 1], [240, 24])
+                            (_fwd_load_full, worker_args)], [4, 1], [240, 24])
 
 
 @gluon.jit
@@ -619,8 +676,8 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         descriptors["do_desc"] = descriptor(rows_q)
         descriptors["k_desc"] = descriptor(2 * rows_kv)
         descriptors["dq_desc"] = descriptor(rows_q, "fp32", gl.float32, head_dim // 2)
-    rows = {"DKV_ROW": "i32"} if kernel != "fwd" else {}
-    signature = {**descriptors, **pointers, **rows, "T": "i32", "H": "i32", "GROUP": "i32", **scalars,
+    sizes = ("B", "T", "H", "GROUP", "HEADS") if kernel == "fwd" else ("DKV_ROW", "T", "H", "GROUP")
+    signature = {**descriptors, **pointers, **{name: "i32" for name in sizes}, **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -645,6 +702,13 @@ def is_sm90(device_index: int) -> bool:
     import torch
 
     return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | None:
@@ -691,10 +755,12 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    grid = (-(-T // (2 * FWD_HALF_M)), B * H)
+    pairs = -(-T // (4 * FWD_HALF_M))
+    heads = FWD_HEADS if pairs * -(-B * H // FWD_HEADS) >= FWD_MIN_WAVES * sm_count(q.device.index or 0) else 1
+    grid = (pairs, -(-B * H // heads))
     _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
                          descriptor(o, FWD_HALF_M), o, lse,
-                         T, H, H // k.shape[2], softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
+                         B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
                          num_warps=4, maxnreg=WS_MAXNREG)
     return o, lse
 
