@@ -192,6 +192,33 @@ def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, pac
     assert not failures, "; ".join(failures)
 
 
+def test_the_forward_pairs_query_blocks_of_two_heads_where_that_fills_the_sms():
+    """Each program takes query blocks n_m - 1 - i and i of FWD_HEADS heads, or of one head where two would leave
+    fewer than FWD_MIN_WAVES programs per SM (an H100: 132 SMs)."""
+    assert hopper.fwd_schedule(2048, 8 * 16, 132) == ((8, 64), 2)  # 512 programs
+    assert hopper.fwd_schedule(2048, 4 * 12, 132) == ((8, 48), 1)  # two heads: 192 programs
+    assert hopper.fwd_schedule(1000, 5, 132) == ((4, 5), 1)  # n_m = 8 blocks of 128 in pairs
+    assert hopper.fwd_schedule(129, 7, 1) == ((1, 4), 2)  # n_m = 2: one pair; 7 heads in programs of 2
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("B, T, H, H_kv, D", [(2, 777, 3, 1, 128), (1, 129, 5, 5, 64), (3, 1, 2, 2, 128),
+                                              (1, 640, 4, 2, 128)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, heads, B, T, H, H_kv, D, causal):
+    """With one or two heads a program (odd and even block counts, an odd number of heads, T = 1), o and lse
+    match the float64 reference as the float64 test bounds them."""
+    monkeypatch.setattr(hopper, "FWD_MIN_WAVES", 0 if heads == 2 else 10 ** 9)
+    assert hopper.fwd_schedule(T, B * H, 132)[1] == heads
+    q, k, v = _inputs(B, T, H, H_kv, D, torch.bfloat16, False)
+    o, lse = hopper.attn_fwd_sm90(q, k, v, D ** -0.5, causal)
+    truth = attention_ref(q, k, v, causal=causal, softmax_scale=D ** -0.5)
+    low = attention_ref(q, k, v, causal=causal, softmax_scale=D ** -0.5, compute_dtype=None)
+    for got, want, base in zip((o, lse), truth, low):
+        assert _max_err(got, want) <= 2 * _max_err(base, want) + ATOL[torch.bfloat16]
+
+
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(causal):

@@ -1,11 +1,14 @@
 """Flash attention for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
 
-**Forward.** Warp-specialised: one program computes 2 * ``FWD_HALF_M`` = 128 query rows of one
-(batch, query head) pair with three partitions: a producer warp that loads both halves' Q tiles and
-then K_j and V_j of every key block into two rings of ``FWD_STAGES`` shared-memory slots (TMA, one
-"ready" mbarrier per slot), and two consumer warpgroups of 64 rows each (the default partition and
-one worker, 240 registers each; the producer 24). Per key block j each consumer runs
-FlashAttention-3's overlap within a warpgroup:
+**Forward.** Warp-specialised, over tiles of 2 * ``FWD_HALF_M`` = 128 query rows of one (batch, query
+head). A program takes two tiles of each of its ``FWD_HEADS`` heads (one where fewer programs would
+not fill ``FWD_MIN_WAVES`` waves of the SMs): query blocks n_m - 1 - i, then i, so that under the
+causal mask every program meets the same n_m + 1 key blocks a head. Three partitions: a producer warp
+that loads both halves' Q tiles and then K_j and V_j of every key block into two rings of
+``FWD_STAGES`` shared-memory slots (TMA, one "ready" mbarrier per slot), going on to the next tile's
+K and V while the consumers finish a tile and to its Q once a half's O is stored; and two consumer
+warpgroups of 64 rows each (the default partition and one worker, 240 registers each; the producer
+24). Per key block j each consumer runs FlashAttention-3's overlap within a warpgroup:
 
     issue S_j = Q K_j^T             wgmma, both operands in shared memory, fp32 accumulator
     O = O * alpha_{j-1}             (no wgmma writes O now)
@@ -23,7 +26,9 @@ ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). 
 lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it). O goes out by TMA through the
 warpgroup's Q slot (free once its last S_j is done) where its 64 rows lie inside the sequence, by masked
 stores where they do not (rows past T belong to the next sequence): 1.03-1.18x masked stores at
-(8,16,2048,128) and (16,16,1024,128) on an H100 (docs/KERNEL.md).
+(8,16,2048,128) and (16,16,1024,128) on an H100. Taking the tiles in pairs made the forward 0.99-1.13x
+one tile a program at D = 128 and 1.06-1.17x at D = 64; a persistent grid of one program per SM
+taking every SM-count-th tile was 0.73-0.98x, its programs' causal work unequal (docs/KERNEL.md).
 
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
@@ -74,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
-FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of, where that leaves programs for 3 SM waves
+FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of; SM waves they must leave
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
@@ -744,6 +749,14 @@ def tile_descriptor(view, rows: int, cols: int):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], layout)
 
 
+def fwd_schedule(T: int, n_heads: int, n_sms: int) -> tuple[tuple[int, int], int]:
+    """The forward's grid over n_heads (batch, query head) pairs and the heads each program takes two query
+    blocks of: ``FWD_HEADS``, or one where that would leave fewer than ``FWD_MIN_WAVES`` programs per SM."""
+    pairs = -(-T // (4 * FWD_HALF_M))
+    heads = FWD_HEADS if pairs * -(-n_heads // FWD_HEADS) >= FWD_MIN_WAVES * n_sms else 1
+    return (pairs, -(-n_heads // heads)), heads
+
+
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     """The Hopper forward of ``forward.attn_fwd`` for a call :func:`unsupported` accepts.
     q: (B, T, H, D); k, v: (B, T, H_kv, D). Returns o (B, T, H, D) contiguous in q's dtype and lse
@@ -755,13 +768,10 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    pairs = -(-T // (4 * FWD_HALF_M))
-    heads = FWD_HEADS if pairs * -(-B * H // FWD_HEADS) >= FWD_MIN_WAVES * sm_count(q.device.index or 0) else 1
-    grid = (pairs, -(-B * H // heads))
+    grid, heads = fwd_schedule(T, B * H, sm_count(q.device.index or 0))
     _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
-                         descriptor(o, FWD_HALF_M), o, lse,
-                         B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES,
-                         num_warps=4, maxnreg=WS_MAXNREG)
+                         descriptor(o, FWD_HALF_M), o, lse, B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E,
+                         bool(causal), FWD_BLOCK_N, D, FWD_STAGES, num_warps=4, maxnreg=WS_MAXNREG)
     return o, lse
 
 
