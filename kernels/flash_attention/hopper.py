@@ -28,7 +28,7 @@ warpgroup's Q slot (free once its last S_j is done) where its 64 rows lie inside
 stores where they do not (rows past T belong to the next sequence): 1.03-1.18x masked stores at
 (8,16,2048,128) and (16,16,1024,128) on an H100. Taking the tiles in pairs made the forward 0.99-1.13x
 one tile a program at D = 128 and 1.06-1.17x at D = 64; a persistent grid of one program per SM
-taking every SM-count-th tile was 0.73-0.98x, its programs' causal work unequal (docs/KERNEL.md).
+taking every SM-count-th tile was 0.73-0.99x, its programs' causal work unequal (docs/KERNEL.md).
 
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
