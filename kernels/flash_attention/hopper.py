@@ -152,9 +152,10 @@ def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.co
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    heads = sched[5]
     kv_it = 0
     tile_it = 0
-    for k in range(2 * sched[5]):
+    for k in range(2 * heads):
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
             for half in gl.static_range(2):
@@ -181,11 +182,11 @@ def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.co
     """One consumer warpgroup, for each of the program's tiles: query rows [q_start + HALF * HALF_M,
     + HALF_M) of the tile (:func:`_fwd_block_rows`), its Q slot released once its O is stored."""
     q_ready, q_empty = bars[0], bars[1]
-    T, H = sched[2], sched[3]
+    n_m, n_bh, T, H, GROUP, heads = sched
     HALF_M: gl.constexpr = descs[0].block_type.shape[0]
     kv_it = 0
     tile_it = 0
-    for k in range(2 * sched[5]):
+    for k in range(2 * heads):
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
             mbarrier.wait(q_ready.index(HALF), tile_it & 1)
