@@ -397,7 +397,7 @@ def round1_launch(B: int, H_kv: int, L: int, D: int):
     """Round 1's launch (the 2026-11-25 measurements): 64 keys per step (32 past D = 128), 4 warps, 3
     stages, splits for 2 programs per SM rounded up, at most one per step of keys and 128."""
     from kernels.flash_decoding import DecodeConfig
-    from kernels.flash_decoding.launch import gpu_resources
+    from kernels.gpu import gpu_resources
 
     block_n = 64 if D <= 128 else 32
     splits = max(1, min(-(-2 * gpu_resources(CUDA)[0] // (B * H_kv)), -(-L // block_n), 128))

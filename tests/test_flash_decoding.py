@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 from kernels.flash_decoding import DecodeConfig, decode_config, decode_ref, flash_decode  # noqa: E402
 from kernels.flash_decoding import kernel as decode_kernel  # noqa: E402
 from kernels.flash_decoding import launch  # noqa: E402
-from kernels.flash_decoding.launch import GpuResources  # noqa: E402
+from kernels.gpu import GpuResources, resources_of  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FACTOR = 2.0
@@ -181,7 +181,7 @@ def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_h
 def test_the_gpu_bandwidth_comes_from_its_memory_clock_and_bus():
     """An H100 SXM reports a 2619 MHz clock on a 5120-bit bus: 3.35 TB/s at double data rate."""
     props = {"multiprocessor_count": 132, "max_shared_mem": 232448, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
-    assert launch.resources_of(props) == GpuResources(132, 232448, pytest.approx(3.352e12, rel=1e-3))
+    assert resources_of(props) == GpuResources(132, 232448, pytest.approx(3.352e12, rel=1e-3))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -710,13 +710,6 @@ def is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | None:
     """Why this call cannot run on the Hopper forward (None: it can)."""
     import torch
@@ -764,12 +757,14 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     (B, H, T) float32, natural log."""
     import torch
 
+    from ..gpu import gpu_resources
+
     B, T, H, D = q.shape
     o = q.new_empty((B, T, H, D))
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    grid, heads = fwd_schedule(T, B * H, sm_count(q.device.index or 0))
+    grid, heads = fwd_schedule(T, B * H, gpu_resources(q.device).sms)
     _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
                          descriptor(o, FWD_HALF_M), o, lse, B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E,
                          bool(causal), FWD_BLOCK_N, D, FWD_STAGES, num_warps=4, maxnreg=WS_MAXNREG)

@@ -32,11 +32,12 @@ are needed, the three-stage pipeline of 64-key steps was faster at every batch (
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
+
+from ..gpu import gpu_resources
 
 IN_FLIGHT_S = 2.4e-6  # seconds of an SM's share of the HBM's bandwidth kept in flight (module docstring)
 MOST_PER_SM = 3
@@ -52,28 +53,6 @@ class DecodeConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-
-
-class GpuResources(NamedTuple):
-    sms: int
-    smem: int  # shared memory one program may use, bytes
-    hbm_bytes_per_s: float  # the memory's peak bandwidth
-
-
-@functools.lru_cache(maxsize=None)
-def gpu_resources(device: torch.device) -> GpuResources:
-    """SMs, shared memory per program and memory bandwidth of CUDA ``device``."""
-    import triton
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return resources_of(triton.runtime.driver.active.utils.get_device_properties(index))
-
-
-def resources_of(props: dict) -> GpuResources:
-    """GpuResources from Triton's device properties; the bandwidth from the memory clock (kHz), double
-    data rate, and bus width (bits): 3.35 TB/s on an H100 SXM."""
-    bandwidth = 2 * props["mem_clock_rate"] * 1e3 * props["mem_bus_width"] / 8
-    return GpuResources(props["multiprocessor_count"], int(props["max_shared_mem"]), bandwidth)
 
 
 def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_bytes: int, device: torch.device,
