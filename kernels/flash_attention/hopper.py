@@ -88,6 +88,8 @@ DQ_IN_DKDV_FROM_T = 8192  # from this T the dK/dV kernel adds dQ itself; below, 
 # Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+# and its barrier of a partition's threads (thread_barrier in 3.6, barrier from 3.7).
+partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @builtin
@@ -363,22 +365,24 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROU
 
 
 @gluon.jit
-def _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr, delta_ptr, BLOCK_M: gl.constexpr,
-               layout: gl.constexpr):
-    """Step i's query block: (its first row, the rows, which lie in the sequence, lse * log2 e, delta)."""
+def _dkdv_stage_rows(i, slot, sizes, ptrs, row_bufs, BLOCK_M: gl.constexpr):
+    """The producer's part of step i: the query block's lse * log2 e and delta (0 past T) into ring slot ``slot``
+    of row_bufs, so that the consumers read them from shared memory when they need them."""
+    row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
+    lse_ptr, delta_ptr = ptrs[0], ptrs[1]
+    lse_smem, delta_smem = row_bufs
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     head = kv_head * group + i // m_blocks
-    q_start = (first_m + i % m_blocks) * BLOCK_M
-    offs_q = q_start + gl.arange(0, BLOCK_M, layout=layout)
-    in_seq = offs_q < T
-    rows = (batch * H + head) * T + offs_q
-    lse2 = gl.load(lse_ptr + rows, mask=in_seq, other=0.0) * 1.4426950408889634
-    delta = gl.load(delta_ptr + rows, mask=in_seq, other=0.0)
-    return q_start, offs_q, in_seq, lse2, delta
+    offs_q = (first_m + i % m_blocks) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    rows = ((row0 // T) * H + head) * T + offs_q
+    lse_smem.index(slot).store(gl.load(lse_ptr + rows, mask=offs_q < T, other=0.0) * 1.4426950408889634)
+    delta_smem.index(slot).store(gl.load(delta_ptr + rows, mask=offs_q < T, other=0.0))
+    partition_barrier()  # every lane's stores before the one that arrives on the slot's mbarrier
 
 
 @gluon.jit
-def _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL: gl.constexpr,
-                HALF_N: gl.constexpr, BLOCK_M: gl.constexpr):
+def _dkdv_probs(st, qk_scale, lse2, offs_k, q_start, k_lo, T, IS_CAUSAL: gl.constexpr, HALF_N: gl.constexpr,
+                BLOCK_M: gl.constexpr):
     """Pᵀ (keys, queries) of the raw scores Sᵀ; masked only where the causal diagonal or the sequence's end
     crosses the tile."""
     pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -386,7 +390,8 @@ def _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS
     if IS_CAUSAL:
         edge = edge or q_start < k_lo + HALF_N
     if edge:
-        keep = in_seq[None, :] & (offs_k[:, None] < T)
+        offs_q = q_start + gl.arange(0, BLOCK_M, layout=lse2.type.layout)
+        keep = (offs_q[None, :] < T) & (offs_k[:, None] < T)
         if IS_CAUSAL:
             keep = keep & (offs_q[None, :] >= offs_k[:, None])
         pt = gl.where(keep, pt, 0.0)
@@ -398,7 +403,7 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     """The backward's producer warp: both halves of the key block's K and V once, then Q and dO of
     every (query head, query block) step into a ring, each slot refilled once both consumers released it."""
     q_desc, k_desc, v_desc, do_desc, dq_desc = descs
-    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem = bufs
+    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem, lse_smem, delta_smem = bufs
     kv_bar, ready, empty, ds_full, ds_free = bars
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
     HALF_N: gl.constexpr = v_desc.block_type.shape[0]
@@ -412,6 +417,7 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     for i in range(group * m_blocks):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        _dkdv_stage_rows(i, slot, sizes, ptrs, (lse_smem, delta_smem), BLOCK_M)
         head = kv_head * group + i // m_blocks
         row = row0 + (first_m + i % m_blocks) * BLOCK_M
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -429,10 +435,10 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     2 * HALF_N keys and TMA-adds it into the fp32 sum (one add in flight: the next waits until the last has
     read dq_smem)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc = descs
-    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem = bufs
+    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem, lse_smem, delta_smem = bufs
     kv_bar, ready, empty, ds_full, ds_free = bars
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
-    lse_ptr, delta_ptr, dk_ptr, dv_ptr = ptrs
+    dk_ptr, dv_ptr = ptrs[2], ptrs[3]
     HALF_N: gl.constexpr = v_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -462,18 +468,18 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     mbarrier.wait(kv_bar, 0)
     for i in range(group * m_blocks):
         slot = i % STAGES
-        q_start, offs_q, in_seq, lse2, delta = _dkdv_rows(i, m_blocks, first_m, kv_head, group, batch, H, T, lse_ptr,
-                                                          delta_ptr, BLOCK_M, t_queries)
+        q_start = (first_m + i % m_blocks) * BLOCK_M
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        lse2 = lse_smem.index(slot).load(t_queries)
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        pt = _dkdv_probs(st, qk_scale, lse2, offs_q, in_seq, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
+        pt = _dkdv_probs(st, qk_scale, lse2, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
         dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dst = (pt * (dpt - delta_smem.index(slot).load(t_queries)[None, :])).to(dtype)
         if WITH_DQ:  # both halves' dSᵀ in shared memory; this warpgroup's half of D of dQ = dS K, TMA-added
             my_dq = dq_smem.index(HALF)
             my_ds = ds_smem.slice(HALF * HALF_N, HALF_N)  # (my keys, queries)
@@ -583,6 +589,9 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     else:  # unused stand-ins
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         ds_smem = gl.allocate_shared_memory(dtype, [16, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a ring of STAGES rows
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
     ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(ds_full, count=2)
@@ -594,7 +603,8 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-    args = ((q_desc, k_desc, v_desc, do_desc, dq_desc), (k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem),
+    args = ((q_desc, k_desc, v_desc, do_desc, dq_desc),
+            (k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem, lse_smem, delta_smem),
             (kv_bar, ready, empty, ds_full, ds_free),
             (batch * T, k_start, kv_head, GROUP, first_m, m_blocks, T, H, DKV_ROW),
             (lse_ptr, delta_ptr, dk_ptr, dv_ptr), sm_scale)
