@@ -32,7 +32,8 @@ taking every SM-count-th tile was 0.73-0.99x, its programs' causal work unequal 
 
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
-every (query head, ``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, and two
+every (query head, ``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, beside the
+step's lse * log2 e and delta (its lanes load them and store them into the slot's shared memory), and two
 consumer warpgroups of 64 keys each. Keys are the rows of every matmul, so dK and dV stay in registers:
 
     issue S^T = K Q^T, wait             wgmma, operands in shared memory
@@ -50,8 +51,9 @@ and 1-5 % slower.) dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``)
   an fp32 sum with TMA's reduce-add (``cp.reduce.async.bulk.tensor``; triton 3.6-3.7's Gluon builds the op
   without naming it, 3.8 names it ``tma.async_atomic_add``). Two small kernels around it write delta and
   scale and cast dQ. The adds' order varies, so dq may differ in its last bit from run to run. On an H100
-  this is 1.04-1.07x the other way at T = 8192 and 16384, 0.99-1.03x at 4096, 0.94-0.97x at 2048
-  (docs/KERNEL.md); scalar fp32 atomics in place of the reduce-add were 4-5x slower.
+  (causal, D = 128) this is 1.08-1.12x the other way at T = 8192 and 16384, 1.07-1.09x at 4096, 1.01-1.03x
+  at 2048 and 0.91-0.93x at 1024 (docs/KERNEL.md); scalar fp32 atomics in place of the reduce-add were 4-5x
+  slower.
 
 Queuing the next step's score matmuls behind dV and dK, 32-row query steps and a third ring slot
 measured no faster (docs/KERNEL.md).
@@ -84,7 +86,7 @@ BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, 
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
 AUTO_HEAD_DIMS = (128,)  # where attention.kernel=auto runs these kernels (faster than the tl ones; docs/KERNEL.md)
-DQ_IN_DKDV_FROM_T = 8192  # from this T the dK/dV kernel adds dQ itself; below, the tl dQ kernel is as fast or faster
+DQ_IN_DKDV_FROM_T = 2048  # from this T the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster
 # Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
