@@ -4,9 +4,10 @@
 head). A program takes two tiles of each of its ``FWD_HEADS`` heads (one where fewer programs would
 not fill ``FWD_MIN_WAVES`` waves of the SMs): query blocks n_m - 1 - i, then i, so that under the
 causal mask every program meets the same n_m + 1 key blocks a head. Three partitions: a producer warp
-that loads both halves' Q tiles and then K_j and V_j of every key block into two rings of
-``FWD_STAGES`` shared-memory slots (TMA, one "ready" mbarrier per slot), going on to the next tile's
-K and V while the consumers finish a tile and to its Q once a half's O is stored; and two consumer
+that loads both halves' Q tiles (two slots a half, taken by the tiles in turn) and then K_j and V_j of
+every key block into two rings of ``FWD_STAGES`` shared-memory slots (TMA, one "ready" mbarrier per
+slot), going on to the next tile's Q, K and V while the consumers finish a tile (a Q slot is refilled
+once the tile two before stored its O through it); and two consumer
 warpgroups of 64 rows each (the default partition and one worker, 240 registers each; the producer
 24). Per key block j each consumer runs FlashAttention-3's overlap within a warpgroup:
 
@@ -26,9 +27,12 @@ ping-pong of the two and a third ring slot measured no faster: docs/KERNEL.md). 
 lse = (m + log2 l) * ln 2 (natural log, as the ``tl`` kernel writes it). O goes out by TMA through the
 warpgroup's Q slot (free once its last S_j is done) where its 64 rows lie inside the sequence, by masked
 stores where they do not (rows past T belong to the next sequence): 1.03-1.18x masked stores at
-(8,16,2048,128) and (16,16,1024,128) on an H100. Taking the tiles in pairs made the forward 0.99-1.13x
-one tile a program at D = 128 and 1.06-1.17x at D = 64; a persistent grid of one program per SM
-taking every SM-count-th tile was 0.73-0.99x, its programs' causal work unequal (docs/KERNEL.md).
+(8,16,2048,128) and (16,16,1024,128) on an H100. The second Q slot a half (the next tile's Q loaded
+ahead, where the one slot was refilled only after the O store) made it 1.04-1.07x at (16,16,1024,128),
+0.98-1.05x at (8,16,2048,128), 1.00-1.04x from T = 4096 and 1.02-1.04x at D = 64. Taking the tiles in
+pairs made the forward 0.99-1.13x one tile a program at D = 128 and 1.06-1.17x at D = 64; a
+persistent grid of one program per SM taking every SM-count-th tile was 0.73-0.99x, its programs'
+causal work unequal (docs/KERNEL.md).
 
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
@@ -149,9 +153,10 @@ def _fwd_tile(k, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl
 @gluon.jit
 def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr):
-    """The producer warp, for each of the program's tiles: both halves' Q tiles once each half's slot is
-    free (its O stored), then K_j and V_j of every key block into their rings, each slot refilled once
-    both consumers have released it. The rings run on across tiles."""
+    """The producer warp, for each of the program's tiles: both halves' Q tiles, each into the half's
+    slot of the tile's parity once the tile two before has stored its O there, then K_j and V_j of every
+    key block into their rings, each slot refilled once both consumers have released it. The rings run on
+    across tiles, so the next tile's Q, K and V load while the consumers finish a tile."""
     q_desc, k_desc, v_desc, o_desc = descs
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
@@ -163,10 +168,12 @@ def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.co
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
             for half in gl.static_range(2):
-                mbarrier.wait(q_empty.index(half), (tile_it & 1) ^ 1)  # a fresh mbarrier passes a wait for phase 1
-                mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-                tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_ready.index(half),
-                         q_smem.index(half))
+                q_slot = 2 * (tile_it % 2) + half
+                # a fresh mbarrier passes a wait for phase 1
+                mbarrier.wait(q_empty.index(q_slot), ((tile_it // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+                tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_ready.index(q_slot),
+                         q_smem.index(q_slot))
             for j in range(n_blocks):
                 slot = (kv_it + j) % STAGES
                 free = (((kv_it + j) // STAGES) & 1) ^ 1
@@ -184,7 +191,8 @@ def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.co
 def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup, for each of the program's tiles: query rows [q_start + HALF * HALF_M,
-    + HALF_M) of the tile (:func:`_fwd_block_rows`), its Q slot released once its O is stored."""
+    + HALF_M) of the tile (:func:`_fwd_block_rows`), from the Q slot of the tile's parity, released once
+    its O is stored through it."""
     q_ready, q_empty = bars[0], bars[1]
     n_m, n_bh, T, H, GROUP, heads = sched
     HALF_M: gl.constexpr = descs[0].block_type.shape[0]
@@ -193,10 +201,11 @@ def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.co
     for k in range(2 * heads):
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
-            mbarrier.wait(q_ready.index(HALF), tile_it & 1)
-            _fwd_block_rows(descs, bufs, bars, (row0, q_start + HALF * HALF_M, head, n_blocks, kv_it, T, H), o_ptr,
-                            lse_ptr, qk_scale, HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)
-            mbarrier.arrive(q_empty.index(HALF), count=1)
+            q_slot = 2 * (tile_it % 2) + HALF
+            mbarrier.wait(q_ready.index(q_slot), (tile_it // 2) & 1)
+            _fwd_block_rows(descs, bufs, bars, (row0, q_start + HALF * HALF_M, head, n_blocks, kv_it, T, H, q_slot),
+                            o_ptr, lse_ptr, qk_scale, HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
             kv_it += n_blocks
             tile_it += 1
 
@@ -211,7 +220,7 @@ def _fwd_block_rows(descs, bufs, bars, block, o_ptr, lse_ptr, qk_scale, HALF: gl
     q_desc, k_desc, v_desc, o_desc = descs
     q_smem, k_smem, v_smem = bufs
     k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
-    row0, m_start, head, n_blocks, kv_it, T, H = block
+    row0, m_start, head, n_blocks, kv_it, T, H, q_slot = block
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -231,7 +240,7 @@ def _fwd_block_rows(descs, bufs, bars, block, o_ptr, lse_ptr, qk_scale, HALF: gl
     offs_m = m_start + gl.arange(0, HALF_M, layout=s_rows)
     s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
-    q = q_smem.index(HALF)
+    q = q_smem.index(q_slot)
 
     first = kv_it % STAGES
     mbarrier.wait(k_ready.index(first), (kv_it // STAGES) & 1)
@@ -336,18 +345,18 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROU
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     n_m = gl.cdiv(T, 2 * HALF_M)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], q_desc.layout)  # 2 tiles' parity x 2 halves
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for half in gl.static_range(2):
-        mbarrier.init(q_ready.index(half), count=1)
-        mbarrier.init(q_empty.index(half), count=1)
+    for q_slot in gl.static_range(4):
+        mbarrier.init(q_ready.index(q_slot), count=1)
+        mbarrier.init(q_empty.index(q_slot), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
