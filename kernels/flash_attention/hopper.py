@@ -55,9 +55,9 @@ and 1-5 % slower.) dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``)
   an fp32 sum with TMA's reduce-add (``cp.reduce.async.bulk.tensor``; triton 3.6-3.7's Gluon builds the op
   without naming it, 3.8 names it ``tma.async_atomic_add``). Two small kernels around it write delta and
   scale and cast dQ. The adds' order varies, so dq may differ in its last bit from run to run. On an H100
-  (causal, D = 128) this is 1.08-1.12x the other way at T = 8192 and 16384, 1.07-1.09x at 4096, 1.01-1.03x
-  at 2048 and 0.91-0.93x at 1024 (docs/KERNEL.md); scalar fp32 atomics in place of the reduce-add were 4-5x
-  slower.
+  (causal, D = 128) this is 1.08-1.12x the other way at T = 8192 and 16384, 1.07-1.09x at 4096, 0.96-1.03x
+  at 2048 (three of four rounds above 1) and 0.91-0.93x at 1024 (docs/KERNEL.md); scalar fp32 atomics in
+  place of the reduce-add were 4-5x slower.
 
 Queuing the next step's score matmuls behind dV and dK, 32-row query steps and a third ring slot
 measured no faster (docs/KERNEL.md).
