@@ -412,7 +412,8 @@ def _dkdv_probs(st, qk_scale, lse2, offs_k, q_start, k_lo, T, IS_CAUSAL: gl.cons
 @gluon.jit
 def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     """The backward's producer warp: both halves of the key block's K and V once, then Q and dO of
-    every (query head, query block) step into a ring, each slot refilled once both consumers released it."""
+    every (query head, query block) step into a ring, with the step's lse * log2 e and delta
+    (:func:`_dkdv_stage_rows`), each slot refilled once both consumers released it."""
     q_desc, k_desc, v_desc, do_desc, dq_desc = descs
     k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem, lse_smem, delta_smem = bufs
     kv_bar, ready, empty, ds_full, ds_free = bars
@@ -464,7 +465,6 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     t_queries: gl.constexpr = gl.SliceLayout(0, t_layout)
 
     k_lo = k_start + HALF * HALF_N
-    batch = row0 // T
     qk_scale = sm_scale * 1.4426950408889634
     offs_k = k_lo + gl.arange(0, HALF_N, layout=t_keys)
     k = k_smem.slice(HALF * HALF_N, HALF_N)
