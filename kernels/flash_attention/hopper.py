@@ -29,7 +29,7 @@ warpgroup's Q slot (free once its last S_j is done) where its 64 rows lie inside
 stores where they do not (rows past T belong to the next sequence): 1.03-1.18x masked stores at
 (8,16,2048,128) and (16,16,1024,128) on an H100. The second Q slot a half (the next tile's Q loaded
 ahead, where the one slot was refilled only after the O store) made it 1.04-1.07x at (16,16,1024,128),
-0.98-1.05x at (8,16,2048,128), 1.00-1.04x from T = 4096 and 1.02-1.04x at D = 64. Taking the tiles in
+0.98-1.05x at (8,16,2048,128), 1.00-1.06x from T = 4096 and 1.02-1.04x at D = 64. Taking the tiles in
 pairs made the forward 0.99-1.13x one tile a program at D = 128 and 1.06-1.17x at D = 64; a
 persistent grid of one program per SM taking every SM-count-th tile was 0.73-0.99x, its programs'
 causal work unequal (docs/KERNEL.md).
