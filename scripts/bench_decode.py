@@ -400,7 +400,7 @@ def round1_launch(B: int, H_kv: int, L: int, D: int):
     from kernels.gpu import gpu_resources
 
     block_n = 64 if D <= 128 else 32
-    splits = max(1, min(-(-2 * gpu_resources(CUDA)[0] // (B * H_kv)), -(-L // block_n), 128))
+    splits = max(1, min(-(-2 * gpu_resources(CUDA).sms // (B * H_kv)), -(-L // block_n), 128))
     return DecodeConfig(splits, block_n, 4, 3)
 
 

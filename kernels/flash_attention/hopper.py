@@ -376,15 +376,15 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROU
 
 
 @gluon.jit
-def _dkdv_stage_rows(i, slot, sizes, ptrs, row_bufs, BLOCK_M: gl.constexpr):
-    """The producer's part of step i: the query block's lse * log2 e and delta (0 past T) into ring slot ``slot``
-    of row_bufs, so that the consumers read them from shared memory when they need them."""
-    row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
+def _dkdv_stage_rows(head, q_start, slot, sizes, ptrs, row_bufs, BLOCK_M: gl.constexpr):
+    """The producer's part of a step: lse * log2 e and delta (0 past T) of query rows [q_start, + BLOCK_M) of
+    ``head`` into ring slot ``slot`` of row_bufs, so that the consumers read them from shared memory when they
+    need them."""
+    row0, T, H = sizes[0], sizes[6], sizes[7]
     lse_ptr, delta_ptr = ptrs[0], ptrs[1]
     lse_smem, delta_smem = row_bufs
     layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    head = kv_head * group + i // m_blocks
-    offs_q = (first_m + i % m_blocks) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    offs_q = q_start + gl.arange(0, BLOCK_M, layout=layout)
     rows = ((row0 // T) * H + head) * T + offs_q
     lse_smem.index(slot).store(gl.load(lse_ptr + rows, mask=offs_q < T, other=0.0) * 1.4426950408889634)
     delta_smem.index(slot).store(gl.load(delta_ptr + rows, mask=offs_q < T, other=0.0))
@@ -429,9 +429,10 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
     for i in range(group * m_blocks):
         slot = i % STAGES
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        _dkdv_stage_rows(i, slot, sizes, ptrs, (lse_smem, delta_smem), BLOCK_M)
         head = kv_head * group + i // m_blocks
-        row = row0 + (first_m + i % m_blocks) * BLOCK_M
+        q_start = (first_m + i % m_blocks) * BLOCK_M
+        _dkdv_stage_rows(head, q_start, slot, sizes, ptrs, (lse_smem, delta_smem), BLOCK_M)
+        row = row0 + q_start
         mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma_load(q_desc, [row, head * HEAD_DIM], ready.index(slot), q_smem.index(slot))
         tma_load(do_desc, [row, head * HEAD_DIM], ready.index(slot), do_smem.index(slot))
