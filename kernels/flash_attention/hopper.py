@@ -47,7 +47,10 @@ consumer warpgroups of 64 keys each. Keys are the rows of every matmul, so dK an
     issue dK += dS^T Q, wait for both, release the slot
 
 (dP^T issued with S^T instead keeps both score tiles live at once: 396 bytes of spills at D = 128
-and 1-5 % slower.) dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
+and 1-5 % slower.) Under the causal mask each head's first step has every query before the second
+warpgroup's keys: that warpgroup skips its four matmuls there (P = dS = 0; dk and dv bit-identical) and,
+with dQ, shares a zero dS^T; the step's code in two branches also left the dQ kernel 8 bytes of spills
+where it had 120. On an H100 1.03-1.08x the backward with dQ at D = 128 (docs/KERNEL.md). dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
 - T < ``DQ_IN_DKDV_FROM_T``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
   first, recomputing S and dP: seven matmuls, deterministic.
 - From there on, FlashAttention-3's five matmuls: both warpgroups write their dS^T into shared memory, each
@@ -439,6 +442,44 @@ def _dkdv_load(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 
 @gluon.jit
+def _dkdv_share_ds(dst, i, bufs, bars, HALF: gl.constexpr):
+    """Step i's dSᵀ (my keys, queries) into my rows of the shared dSᵀ, once both warpgroups have read step
+    i - 1's; then tell the other warpgroup."""
+    ds_smem = bufs[5]
+    ds_full, ds_free = bars[3], bars[4]
+    HALF_N: gl.constexpr = dst.type.shape[0]
+    mbarrier.wait(ds_free, (i & 1) ^ 1)
+    ds_smem.slice(HALF * HALF_N, HALF_N).store(dst)
+    fence_async_shared()
+    mbarrier.arrive(ds_full, count=1)
+
+
+@gluon.jit
+def _dkdv_dq_mma(i, bufs, bars, dq_zero, HALF: gl.constexpr):
+    """Issues my half of D of step i's dQ = dS K over both warpgroups' keys, once both stored their dSᵀ."""
+    k_smem, ds_smem = bufs[0], bufs[5]
+    ds_full = bars[3]
+    HALF_D: gl.constexpr = dq_zero.type.shape[1]
+    mbarrier.wait(ds_full, i & 1)
+    k_cols = k_smem.slice(HALF * HALF_D, HALF_D, dim=1)  # (both halves' keys, my half of D)
+    return warpgroup_mma(ds_smem.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dkdv_dq_add(dq, i, dq_desc, dq_at, bufs, bars, HALF: gl.constexpr):
+    """Waits for step i's dQ (the last wgmma in flight), frees the shared dSᵀ, and TMA-adds dQ into the fp32
+    sum at dq_at through my dQ buffer (one add in flight: the next waits until the last has read it)."""
+    my_dq = bufs[4].index(HALF)
+    ds_free = bars[4]
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    mbarrier.arrive(ds_free, count=1)
+    tma.store_wait(0)
+    my_dq.store(dq)
+    fence_async_shared()
+    tma_add(dq_desc, [dq_at[0], dq_at[1]], my_dq)
+
+
+@gluon.jit
 def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr,
                   WITH_DQ: gl.constexpr):
     """One consumer warpgroup: dK and dV of keys [k_start + HALF * HALF_N, + HALF_N), summed over the
@@ -481,40 +522,41 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     for i in range(group * m_blocks):
         slot = i % STAGES
         q_start = (first_m + i % m_blocks) * BLOCK_M
+        dq_at = (row0 + q_start, (kv_head * group + i // m_blocks) * HEAD_DIM + HALF * HALF_D)
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        lse2 = lse_smem.index(slot).load(t_queries)
         q = q_smem.index(slot)
-        do = do_smem.index(slot)
-        st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
-        pt = _dkdv_probs(st, qk_scale, lse2, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
-        dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
-        dst = (pt * (dpt - delta_smem.index(slot).load(t_queries)[None, :])).to(dtype)
-        if WITH_DQ:  # both halves' dSᵀ in shared memory; this warpgroup's half of D of dQ = dS K, TMA-added
-            my_dq = dq_smem.index(HALF)
-            my_ds = ds_smem.slice(HALF * HALF_N, HALF_N)  # (my keys, queries)
-            k_cols = k_smem.slice(HALF * HALF_D, HALF_D, dim=1)  # (both halves' keys, my half of D)
-            mbarrier.wait(ds_free, (i & 1) ^ 1)  # both read the last step's dSᵀ
-            my_ds.store(dst)
-            fence_async_shared()
-            mbarrier.arrive(ds_full, count=1)
-            dk = warpgroup_mma(my_ds, q, dk, is_async=True)
-            mbarrier.wait(ds_full, i & 1)
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, dq_zero, use_acc=False, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
-            mbarrier.arrive(empty.index(slot), count=1)
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            mbarrier.arrive(ds_free, count=1)
-            tma.store_wait(0)  # the last step's add has read my_dq
-            my_dq.store(dq)
-            fence_async_shared()
-            tma_add(dq_desc, [row0 + q_start, (kv_head * group + i // m_blocks) * HEAD_DIM + HALF * HALF_D], my_dq)
+        masked = False
+        if IS_CAUSAL and HALF == 1:
+            masked = q_start + BLOCK_M <= k_lo  # every query of the step before my first key: P = dS = 0
+        if masked:  # no score or dK/dV matmul; with dQ, my half of dS is zeros
+            if WITH_DQ:
+                _dkdv_share_ds(gl.zeros([HALF_N, BLOCK_M], dtype, layout=t_layout), i, bufs, bars, HALF)
+                dq = _dkdv_dq_mma(i, bufs, bars, dq_zero, HALF)
+                mbarrier.arrive(empty.index(slot), count=1)
+                _dkdv_dq_add(dq, i, dq_desc, dq_at, bufs, bars, HALF)
+            else:
+                mbarrier.arrive(empty.index(slot), count=1)
         else:
-            dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            mbarrier.arrive(empty.index(slot), count=1)
+            lse2 = lse_smem.index(slot).load(t_queries)
+            do = do_smem.index(slot)
+            st = warpgroup_mma(k, q.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+            pt = _dkdv_probs(st, qk_scale, lse2, offs_k, q_start, k_lo, T, IS_CAUSAL, HALF_N, BLOCK_M)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+            dst = (pt * (dpt - delta_smem.index(slot).load(t_queries)[None, :])).to(dtype)
+            if WITH_DQ:  # both halves' dSᵀ in shared memory; this warpgroup's half of D of dQ = dS K, TMA-added
+                _dkdv_share_ds(dst, i, bufs, bars, HALF)
+                dk = warpgroup_mma(ds_smem.slice(HALF * HALF_N, HALF_N), q, dk, is_async=True)
+                dq = _dkdv_dq_mma(i, bufs, bars, dq_zero, HALF)
+                dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
+                mbarrier.arrive(empty.index(slot), count=1)
+                _dkdv_dq_add(dq, i, dq_desc, dq_at, bufs, bars, HALF)
+            else:
+                dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+                mbarrier.arrive(empty.index(slot), count=1)
 
     kv_rows: gl.constexpr = gl.SliceLayout(1, kv_layout)
     keys = k_lo + gl.arange(0, HALF_N, layout=kv_rows)
