@@ -50,7 +50,9 @@ consumer warpgroups of 64 keys each. Keys are the rows of every matmul, so dK an
 and 1-5 % slower.) Under the causal mask each head's first step has every query before the second
 warpgroup's keys: that warpgroup skips its four matmuls there (P = dS = 0; dk and dv bit-identical) and,
 with dQ, shares a zero dS^T; the step's code in two branches also left the dQ kernel 8 bytes of spills
-where it had 120 (triton 3.6). On an H100 1.03-1.08x the backward with dQ at D = 128 (docs/KERNEL.md). dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
+where it had 120 (triton 3.6). On an H100 1.03-1.08x the backward with dQ at D = 128 (docs/KERNEL.md).
+
+dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
 - T < ``DQ_IN_DKDV_FROM_T``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
   first, recomputing S and dP: seven matmuls, deterministic.
 - From there on, FlashAttention-3's five matmuls: both warpgroups write their dS^T into shared memory, each
@@ -859,7 +861,8 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
         dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2), lse, delta, dk, dv,
+                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2), lse, delta,
+                                  dk, dv,
                                   token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES,
                                   dq_in, num_warps=4, maxnreg=WS_MAXNREG)
 
