@@ -491,8 +491,8 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
     2 * HALF_N keys and TMA-adds it into the fp32 sum (one add in flight: the next waits until the last has
     read dq_smem)."""
     q_desc, k_desc, v_desc, do_desc, dq_desc = descs
-    k_smem, v_smem, q_smem, do_smem, dq_smem, ds_smem, lse_smem, delta_smem = bufs
-    kv_bar, ready, empty, ds_full, ds_free = bars
+    k_smem, v_smem, q_smem, do_smem, _, ds_smem, lse_smem, delta_smem = bufs  # dQ's buffers: the _dkdv_dq_* helpers
+    kv_bar, ready, empty = bars[0], bars[1], bars[2]
     row0, k_start, kv_head, group, first_m, m_blocks, T, H, dkv_row = sizes
     dk_ptr, dv_ptr = ptrs[2], ptrs[3]
     HALF_N: gl.constexpr = v_desc.block_type.shape[0]
@@ -861,10 +861,9 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
         dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
         _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2), lse, delta,
-                                  dk, dv,
-                                  token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES,
-                                  dq_in, num_warps=4, maxnreg=WS_MAXNREG)
+                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2),
+                                  lse, delta, dk, dv, token_stride(dk, dv), T, H, H // k.shape[2],
+                                  softmax_scale, bool(causal), BWD_STAGES, dq_in, num_warps=4, maxnreg=WS_MAXNREG)
 
     if not dq_in_dkdv:
         dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
