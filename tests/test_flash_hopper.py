@@ -125,22 +125,28 @@ def test_a_forced_gluon_forward_is_refused_off_the_gpu_instead_of_falling_back()
 
 
 def test_auto_takes_the_hopper_kernels_where_they_are_faster(monkeypatch):
-    """On a call the Hopper kernels take: auto runs them (forward and backward) at head dim 128 only;
-    gluon at both head dims."""
+    """On a call the Hopper kernels take: auto runs them (forward and backward) at head dim 128 at every T and at
+    head dim 64 from T = 2048; gluon at both head dims and every T."""
     from kernels.flash_attention import function
 
     monkeypatch.setattr(function, "hopper_refusal", lambda *args: "")
-    q64, q128 = torch.empty(1, 1, 2, 64), torch.empty(1, 1, 2, 128)
-    choice = {(kernel, q.shape[-1]): function.kernel_choice(kernel, q, q, q, 0, None, 0.0, None)
-              for kernel in ("auto", "gluon", "tl") for q in (q64, q128)}
-    assert choice == {("auto", 64): "tl", ("auto", 128): "gluon", ("gluon", 64): "gluon", ("gluon", 128): "gluon",
-                      ("tl", 64): "tl", ("tl", 128): "tl"}
-    assert hopper.AUTO_HEAD_DIMS == (128,)
+    choice = {}
+    for kernel in ("auto", "gluon", "tl"):
+        for T in (1, 2047, 2048, 16384):
+            for D in (64, 128):
+                q = torch.empty(1, 1, 2, D).expand(1, T, 2, D)
+                choice[kernel, T, D] = function.kernel_choice(kernel, q, q, q, 0, None, 0.0, None)
+    auto = {(T, D): choice["auto", T, D] for T in (1, 2047, 2048, 16384) for D in (64, 128)}
+    assert auto == {(1, 64): "tl", (2047, 64): "tl", (2048, 64): "gluon", (16384, 64): "gluon",
+                    (1, 128): "gluon", (2047, 128): "gluon", (2048, 128): "gluon", (16384, 128): "gluon"}
+    assert {choice[key] for key in choice if key[0] == "gluon"} == {"gluon"}
+    assert {choice[key] for key in choice if key[0] == "tl"} == {"tl"}
+    assert hopper.AUTO_FROM_T == {64: 2048, 128: 0}
 
 
 def test_auto_runs_the_tl_kernel_off_hopper():
-    assert forward_kernel("auto", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
-    assert forward_kernel("tl", torch.device("cpu"), torch.bfloat16, 4, 4, 64, False) == "tl"
+    assert forward_kernel("auto", torch.device("cpu"), torch.bfloat16, 4, 4, 64, 4096, False) == "tl"
+    assert forward_kernel("tl", torch.device("cpu"), torch.bfloat16, 4, 4, 64, 4096, False) == "tl"
 
 
 def _inputs(B, T, H, H_kv, D, dtype, packed, seed=0):
@@ -226,8 +232,10 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
     match those of kernel="tl" to bf16 rounding."""
     q, k, v = (x.requires_grad_() for x in _inputs(2, 300, 4, 2, 128, torch.bfloat16, False))
     do = torch.randn_like(q)
-    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, False) == "gluon"
-    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, False) == "tl"
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, 300, False) == "gluon"
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, 300, False) == "tl"
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, 2048, False) == "gluon"
+    assert forward_kernel("tl", q.device, q.dtype, 4, 2, 64, 2048, False) == "tl"
     results = {}
     for kernel in ("gluon", "auto", "tl"):
         o = flash_attn(q, k, v, causal=causal, kernel=kernel)
@@ -243,11 +251,12 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
-def test_long_sequences_add_dq_in_the_dkdv_kernel_and_match_the_tl_kernels_cuda():
-    """From T = DQ_IN_DKDV_FROM_T, flash_attn's Hopper backward adds dQ in the dK/dV kernel; its gradients
+@pytest.mark.parametrize("D", [64, 128])
+def test_long_sequences_add_dq_in_the_dkdv_kernel_and_match_the_tl_kernels_cuda(D):
+    """From T = DQ_IN_DKDV_FROM_T[D], flash_attn's Hopper backward adds dQ in the dK/dV kernel; its gradients
     match the tl kernels' to bf16 rounding."""
-    T = hopper.DQ_IN_DKDV_FROM_T
-    q, k, v = (x.requires_grad_() for x in _inputs(1, T, 2, 1, 128, torch.bfloat16, False))
+    T = hopper.DQ_IN_DKDV_FROM_T[D]
+    q, k, v = (x.requires_grad_() for x in _inputs(1, T, 2, 1, D, torch.bfloat16, False))
     do = torch.randn_like(q)
     grads = {}
     for kernel in ("gluon", "tl"):

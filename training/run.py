@@ -200,13 +200,14 @@ def compiled(parallel_model, model: GPT, ranks: distributed.Ranks, how):
 
 
 def flash_forward(cfg: TrainConfig, backend: str, model_cfg: ModelConfig, device, dtype) -> Optional[str]:
-    """attention=flash: the forward kernel its calls run ("gluon" or "tl"); None for other backends."""
+    """attention=flash: the forward kernel its calls of block_size tokens run ("gluon" or "tl"); None for other
+    backends."""
     if backend != "flash":
         return None
     from model.attention.flash import forward_kernel
 
     return forward_kernel(cfg.attention.kernel, device, dtype, model_cfg.n_head, model_cfg.kv_heads,
-                          model_cfg.head_dim, bool(features_in_use(cfg)))
+                          model_cfg.head_dim, model_cfg.block_size, bool(features_in_use(cfg)))
 
 
 def write_run_info(run_dir: Path, backend: str, device, dtype, n_params: int, batch_size: int,

@@ -89,7 +89,7 @@ def kernel_choice(kernel: str, q, k, v, window, cu_seqlens, dropout_p, g) -> str
     docstring)."""
     if kernel == "tl" or hopper_refusal(q, k, v, window, cu_seqlens, dropout_p, g):
         return "tl"
-    return "gluon" if kernel == "gluon" or q.shape[-1] in hopper_module()[0].AUTO_HEAD_DIMS else "tl"
+    return "gluon" if kernel == "gluon" or q.shape[1] >= hopper_module()[0].AUTO_FROM_T[q.shape[-1]] else "tl"
 
 
 def _flash_attn_fwd(q, k, v, cu_seqlens, rng, g, options):

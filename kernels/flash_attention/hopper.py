@@ -94,8 +94,13 @@ FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query bloc
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
-AUTO_HEAD_DIMS = (128,)  # where attention.kernel=auto runs these kernels (faster than the tl ones; docs/KERNEL.md)
-DQ_IN_DKDV_FROM_T = 2048  # from this T the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster
+# where attention.kernel=auto runs these kernels: head dim -> least T (faster than the tl ones there; docs/KERNEL.md)
+AUTO_FROM_T = {64: 2048, 128: 0}
+# head dim -> the T from which the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster (docs/KERNEL.md)
+DQ_IN_DKDV_FROM_T = {64: 4096, 128: 2048}
+# with dQ, up to this D dK's dS operand comes from registers (1.04-1.07x at D = 64; at D = 128 60 bytes of spills
+# and slower, so there it is read from the dS shared with the other warpgroup)
+DS_IN_REGISTERS_MAX_D = gl.constexpr(64)
 # Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
@@ -550,7 +555,10 @@ def _dkdv_compute(descs, bufs, bars, sizes, ptrs, sm_scale, HALF: gl.constexpr, 
             dst = (pt * (dpt - delta_smem.index(slot).load(t_queries)[None, :])).to(dtype)
             if WITH_DQ:  # both halves' dSᵀ in shared memory; this warpgroup's half of D of dQ = dS K, TMA-added
                 _dkdv_share_ds(dst, i, bufs, bars, HALF)
-                dk = warpgroup_mma(ds_smem.slice(HALF * HALF_N, HALF_N), q, dk, is_async=True)
+                if HEAD_DIM <= DS_IN_REGISTERS_MAX_D:
+                    dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                else:
+                    dk = warpgroup_mma(ds_smem.slice(HALF * HALF_N, HALF_N), q, dk, is_async=True)
                 dq = _dkdv_dq_mma(i, bufs, bars, dq_zero, HALF)
                 dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk))
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -843,7 +851,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     each with D contiguous, heads adjacent and batches T tokens apart; dk and dv with the same strides).
     lse: (B, H, T) float32, natural log, as either forward writes it.
 
-    dq_in_dkdv (None: T >= ``DQ_IN_DKDV_FROM_T``): the warp-specialised kernel adds dQ = dS K into an fp32 sum
+    dq_in_dkdv (None: T >= ``DQ_IN_DKDV_FROM_T[D]``): the warp-specialised kernel adds dQ = dS K into an fp32 sum
     by TMA's reduce-add (five matmuls; run to run, dq may differ in its last bit), between a delta = rowsum(dO * O)
     kernel and one that scales and casts dQ. Otherwise the tl dQ kernel (backward.attn_bwd, which also writes
     delta) runs before it (seven matmuls, deterministic)."""
@@ -854,7 +862,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     do = do if tma_view(do) is not None else do.contiguous()
     B, T, H, D = q.shape
     if dq_in_dkdv is None:
-        dq_in_dkdv = T >= DQ_IN_DKDV_FROM_T
+        dq_in_dkdv = T >= DQ_IN_DKDV_FROM_T[D]
 
     def dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum=None):
         dq_in = dq_sum is not None

@@ -65,14 +65,14 @@ def packed_gate(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def forward_kernel(kernel: str, device: torch.device, dtype: torch.dtype, n_head: int, n_kv_head: int,
-                   head_dim: int, features: bool) -> str:
-    """The forward that attention.kernel gives a model's calls: "gluon" (the Hopper kernel,
-    kernels/flash_attention/hopper.py) or "tl". ``features``: a window, dropout, gate or document
+                   head_dim: int, seq_len: int, features: bool) -> str:
+    """The forward that attention.kernel gives a model's calls of seq_len tokens: "gluon" (the Hopper
+    kernel, kernels/flash_attention/hopper.py) or "tl". ``features``: a window, dropout, gate or document
     masks is in use (the Hopper forward has none yet)."""
     if kernel == "tl" or features or device.type != "cuda":
         return "tl"
     from kernels.flash_attention.function import kernel_choice
 
-    q = torch.empty(1, 1, n_head, head_dim, device=device, dtype=dtype)
-    k = torch.empty(1, 1, n_kv_head, head_dim, device=device, dtype=dtype)
+    q = torch.empty(1, 1, n_head, head_dim, device=device, dtype=dtype).expand(1, seq_len, n_head, head_dim)
+    k = torch.empty(1, 1, n_kv_head, head_dim, device=device, dtype=dtype).expand(1, seq_len, n_kv_head, head_dim)
     return kernel_choice(kernel, q, k, k, 0, None, 0.0, None)
