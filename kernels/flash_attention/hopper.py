@@ -809,12 +809,20 @@ def descriptor(x, rows: int):
 def tile_descriptor(view, rows: int, cols: int):
     """The TMA descriptor of a 2-D bf16, fp16 or float32 view in tiles of rows x cols (Gluon's default
     shared-memory layout for them)."""
-    import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[view.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], element)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols], layout)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols],
+                            shared_layout(rows, cols, view.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(rows: int, cols: int, dtype):
+    """Gluon's default shared-memory layout of a rows x cols tile of a torch dtype (bf16, fp16, float32), made
+    once: every launch passes it with each descriptor."""
+    import torch
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], element)
 
 
 def fwd_schedule(T: int, n_heads: int, n_sms: int) -> tuple[tuple[int, int], int]:
