@@ -126,22 +126,22 @@ def test_a_forced_gluon_forward_is_refused_off_the_gpu_instead_of_falling_back()
 
 def test_auto_takes_the_hopper_kernels_where_they_are_faster(monkeypatch):
     """On a call the Hopper kernels take: auto runs them (forward and backward) at head dim 128 at every T and at
-    head dim 64 from T = 2048; gluon at both head dims and every T."""
+    head dim 64 from T = 4096; gluon at both head dims and every T."""
     from kernels.flash_attention import function
 
     monkeypatch.setattr(function, "hopper_refusal", lambda *args: "")
     choice = {}
     for kernel in ("auto", "gluon", "tl"):
-        for T in (1, 2047, 2048, 16384):
+        for T in (1, 4095, 4096, 16384):
             for D in (64, 128):
                 q = torch.empty(1, 1, 2, D).expand(1, T, 2, D)
                 choice[kernel, T, D] = function.kernel_choice(kernel, q, q, q, 0, None, 0.0, None)
-    auto = {(T, D): choice["auto", T, D] for T in (1, 2047, 2048, 16384) for D in (64, 128)}
-    assert auto == {(1, 64): "tl", (2047, 64): "tl", (2048, 64): "gluon", (16384, 64): "gluon",
-                    (1, 128): "gluon", (2047, 128): "gluon", (2048, 128): "gluon", (16384, 128): "gluon"}
+    auto = {(T, D): choice["auto", T, D] for T in (1, 4095, 4096, 16384) for D in (64, 128)}
+    assert auto == {(1, 64): "tl", (4095, 64): "tl", (4096, 64): "gluon", (16384, 64): "gluon",
+                    (1, 128): "gluon", (4095, 128): "gluon", (4096, 128): "gluon", (16384, 128): "gluon"}
     assert {choice[key] for key in choice if key[0] == "gluon"} == {"gluon"}
     assert {choice[key] for key in choice if key[0] == "tl"} == {"tl"}
-    assert hopper.AUTO_FROM_T == {64: 2048, 128: 0}
+    assert hopper.AUTO_FROM_T == {64: 4096, 128: 0}
 
 
 def test_auto_runs_the_tl_kernel_off_hopper():
@@ -234,8 +234,8 @@ def test_flash_attn_takes_the_gluon_kernels_and_matches_the_tl_kernels_cuda(caus
     do = torch.randn_like(q)
     assert forward_kernel("auto", q.device, q.dtype, 4, 2, 128, 300, False) == "gluon"
     assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, 300, False) == "tl"
-    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, 2048, False) == "gluon"
-    assert forward_kernel("tl", q.device, q.dtype, 4, 2, 64, 2048, False) == "tl"
+    assert forward_kernel("auto", q.device, q.dtype, 4, 2, 64, 4096, False) == "gluon"
+    assert forward_kernel("tl", q.device, q.dtype, 4, 2, 64, 4096, False) == "tl"
     results = {}
     for kernel in ("gluon", "auto", "tl"):
         o = flash_attn(q, k, v, causal=causal, kernel=kernel)

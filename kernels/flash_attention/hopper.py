@@ -94,8 +94,9 @@ FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query bloc
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
-# where attention.kernel=auto runs these kernels: head dim -> least T (faster than the tl ones there; docs/KERNEL.md)
-AUTO_FROM_T = {64: 2048, 128: 0}
+# where attention.kernel=auto runs these kernels: head dim -> least T. At D = 64 they are faster in GPU time from
+# T = 2048, but below 4096 a small eager call waits on their host path (0.3-0.6 ms more a call; docs/KERNEL.md)
+AUTO_FROM_T = {64: 4096, 128: 0}
 # head dim -> the T from which the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster (docs/KERNEL.md)
 DQ_IN_DKDV_FROM_T = {64: 4096, 128: 2048}
 # with dQ, up to this D dK's dS operand comes from registers (1.04-1.07x at D = 64; at D = 128 60 bytes of spills
