@@ -14,9 +14,9 @@
   the backward of the ``tl`` dQ kernel and the Gluon dK/dV kernel) where they are the faster ones and
   take the call (an H100/H200, fp16/bf16, D 128, or D 64 from T = 4096: ``hopper.AUTO_FROM_T``; no
   window, documents, dropout or gate; for the backward also no gradient of lse) and the ``tl`` kernels
-  everywhere else; both forwards write the o and lse either backward reads. ``gluon`` forces the Hopper kernels (D 64 or 128; it refuses a call
-  they cannot take, and a backward with a gradient of lse runs on the ``tl`` kernels); ``tl`` forces
-  the ``tl`` kernels.
+  everywhere else; both forwards write the o and lse either backward reads. ``gluon`` forces the Hopper
+  kernels (D 64 or 128; it refuses a call they cannot take, and a backward with a gradient of lse runs
+  on the ``tl`` kernels); ``tl`` forces the ``tl`` kernels.
 - Launches: ``forward.attn_fwd`` and ``backward.attn_bwd`` build each kernel's arguments and hand
   them to its ``tuning.Tuner``, which picks the config and launches (``kernel[grid](...)``, or the
   binary Triton picked for an earlier call with the same arguments: ``launch.py``).

@@ -53,10 +53,11 @@ with dQ, shares a zero dS^T; the step's code in two branches also left the dQ ke
 where it had 120 (triton 3.6). On an H100 1.03-1.08x the backward with dQ at D = 128 (docs/KERNEL.md).
 
 dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
-- T < ``DQ_IN_DKDV_FROM_T``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
+- T < ``DQ_IN_DKDV_FROM_T[D]``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
   first, recomputing S and dP: seven matmuls, deterministic.
-- From there on, FlashAttention-3's five matmuls: both warpgroups write their dS^T into shared memory, each
-  computes half of D of the step's dQ = dS K over all 128 keys, stores it to shared memory and adds it into
+- From there on, FlashAttention-3's five matmuls: both warpgroups write their dS^T into shared memory (dK's
+  own dS^T operand comes from registers at D = 64, ``DS_IN_REGISTERS_MAX_D``), each computes half of D of the
+  step's dQ = dS K over all 128 keys, stores it to shared memory and adds it into
   an fp32 sum with TMA's reduce-add (``cp.reduce.async.bulk.tensor``; triton 3.6-3.7's Gluon builds the op
   without naming it, 3.8 names it ``tma.async_atomic_add``). Two small kernels around it write delta and
   scale and cast dQ. The adds' order varies, so dq may differ in its last bit from run to run. On an H100
@@ -99,7 +100,7 @@ WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register f
 AUTO_FROM_T = {64: 4096, 128: 0}
 # head dim -> the T from which the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster (docs/KERNEL.md)
 DQ_IN_DKDV_FROM_T = {64: 4096, 128: 2048}
-# with dQ, up to this D dK's dS operand comes from registers (1.04-1.07x at D = 64; at D = 128 60 bytes of spills
+# with dQ, up to this D dK's dS operand comes from registers (1.03-1.08x at D = 64; at D = 128 60 bytes of spills
 # and slower, so there it is read from the dS shared with the other warpgroup)
 DS_IN_REGISTERS_MAX_D = gl.constexpr(64)
 # Gluon's TMA load moved between releases (async_copy_global_to_shared until 3.8, removed in 3.9).
