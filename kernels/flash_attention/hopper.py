@@ -89,7 +89,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
 FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of; SM waves they must leave
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
@@ -100,6 +99,7 @@ WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register f
 AUTO_FROM_T = {64: 4096, 128: 0}
 # head dim -> the T from which the dK/dV kernel adds dQ itself; below, the tl dQ kernel is faster (docs/KERNEL.md)
 DQ_IN_DKDV_FROM_T = {64: 4096, 128: 2048}
+HEAD_DIMS = tuple(AUTO_FROM_T)  # the head dims these kernels take: each has both rules above
 # with dQ, up to this D dK's dS operand comes from registers (1.03-1.08x at D = 64; at D = 128 60 bytes of spills
 # and slower, so there it is read from the dS shared with the other warpgroup)
 DS_IN_REGISTERS_MAX_D = gl.constexpr(64)
