@@ -74,15 +74,24 @@ def test_the_dkdv_kernel_adds_dq_by_tma_reduce_add(sm90_ptx, head_dim, causal):
     assert ptx.count("wgmma.mma_async") > without.count("wgmma.mma_async")
 
 
-def test_tma_view_reads_packed_qkv_and_refuses_what_tma_cannot():
+def test_tma_row_reads_packed_qkv_and_refuses_what_tma_cannot():
     qkv = torch.randn(2, 5, 3 * 4, 64)
     q, k, _ = qkv.split([4, 4, 4], dim=2)
-    view = hopper.tma_view(q)
-    assert view.shape == (10, 256) and torch.equal(view.view(2, 5, 4, 64), q)
-    assert torch.equal(hopper.tma_view(k).view(2, 5, 4, 64), k)
-    assert hopper.tma_view(q.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads not adjacent
-    assert hopper.tma_view(torch.randn(1, 5, 4, 65)[..., :64]) is None  # D not the head stride
-    assert hopper.tma_view(torch.randn(5 * 4 * 64 + 1)[1:].view(1, 5, 4, 64)) is None  # base 4 bytes off 16
+    assert hopper.tma_row(q) == hopper.tma_row(k) == 12 * 64
+    assert torch.equal(q.as_strided((10, 256), (hopper.tma_row(q), 1)).view(2, 5, 4, 64), q)
+    assert torch.equal(k.as_strided((10, 256), (hopper.tma_row(k), 1)).view(2, 5, 4, 64), k)
+    assert hopper.tma_row(q.contiguous()) == 4 * 64
+    assert hopper.tma_row(q.transpose(1, 2).contiguous().transpose(1, 2)) is None  # heads not adjacent
+    assert hopper.tma_row(torch.randn(1, 5, 4, 65)[..., :64]) is None  # D not the head stride
+    assert hopper.tma_row(torch.randn(5 * 4 * 64 + 1)[1:].view(1, 5, 4, 64)) is None  # base 4 bytes off 16
+
+
+def test_a_descriptor_reads_its_tensor_as_rows_of_tokens():
+    """q (B, T, H, D) is read as (B * T, H * D) rows a token apart, in tiles of rows x D."""
+    q = torch.randn(2, 5, 3 * 4, 64, dtype=torch.bfloat16).split([4, 4, 4], dim=2)[0]
+    desc = hopper.descriptor(q, 64)
+    assert desc.base is q and list(desc.shape) == [10, 256] and list(desc.strides) == [12 * 64, 1]
+    assert list(desc.block_shape) == [64, 64] and desc.layout == hopper.shared_layout(64, 64, torch.bfloat16)
 
 
 def test_the_dkdv_kernel_writes_a_packed_gradient_by_its_token_stride():

@@ -109,6 +109,25 @@ def test_the_plan_key_changes_with_every_argument_of_every_launch(monkeypatch):
         assert launch.plan_key(1, where, tensors, values) != key  # another current device
 
 
+def test_the_plan_key_holds_what_triton_specialises_a_gluon_descriptor_on():
+    """A Hopper launch's tensor descriptor is keyed by its dtype, tile and shared-memory layout, what
+    Triton specialises it on; not by its tensor's address or sizes, which the launch passes at run time."""
+    import dataclasses
+
+    from kernels.flash_attention import hopper
+
+    def key(desc):
+        return launch.plan_key(0, (), (desc,), ())
+
+    x = torch.zeros(2, 64, 4, 128, dtype=torch.bfloat16)
+    desc = hopper.descriptor(x, 64)
+    assert key(hopper.descriptor(torch.zeros(3, 200, 2, 128, dtype=torch.bfloat16), 64)) == key(desc)
+    assert key(hopper.descriptor(x.half(), 64)) != key(desc)
+    assert key(hopper.descriptor(x, 128)) != key(desc)
+    other_layout = dataclasses.replace(desc.layout, swizzle_byte_width=64)
+    assert key(dataclasses.replace(desc, layout=other_layout)) != key(desc)
+
+
 def test_replay_is_off_under_the_interpreter_and_on_unread_tritons(monkeypatch):
     import triton
     from triton.runtime.interpreter import InterpretedFunction
@@ -191,3 +210,65 @@ def test_a_tensor_subclass_records_no_plan_cuda():
     assert len(forward.FWD.replay.plans) == before
     forward.attn_fwd(q, k, v, 0.125, True)
     assert len(forward.FWD.replay.plans) == before + 1
+
+
+SM90 = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+def _hopper_launches(monkeypatch, call) -> list[tuple]:
+    """(replay, grid, tensors, values, options) of each Hopper-kernel launch ``call`` makes."""
+    from kernels.flash_attention import hopper
+
+    seen = []
+    for replay in (hopper.FWD, hopper.DKDV, hopper.DELTA, hopper.DQ_OUT):
+        def record(grid, tensors, values, replay=replay, launch=replay.launch, **options):
+            seen.append((replay, grid, tensors, values, options))
+            return launch(grid, tensors, values, **options)
+
+        monkeypatch.setattr(replay, "launch", record)
+    call()
+    return seen
+
+
+def _hopper_case(D, H_kv, causal, dq_in_dkdv, seed):
+    """o, lse and (dq, dk, dv) of the Hopper kernels at (2, 200, 4, D), D contiguous, GQA to H_kv heads."""
+    from kernels.flash_attention import hopper
+
+    q, k, v, do = _inputs(B=2, T=200, H=4, HKV=H_kv, D=D, seed=seed)
+    o, lse = hopper.attn_fwd_sm90(q, k, v, D ** -0.5, causal)
+    return o, lse, hopper.attn_bwd_sm90(do, q, k, v, o, lse, D ** -0.5, causal, dq_in_dkdv=dq_in_dkdv)
+
+
+HOPPER_CASES = [pytest.param(128, 2, True, True, id="D128-gqa-causal-dq-in-dkdv"),
+                pytest.param(64, 4, False, False, id="D64-full-dq-tl")]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("D,H_kv,causal,dq_in_dkdv", HOPPER_CASES)
+def test_every_replayed_hopper_binary_is_the_one_triton_looks_up_cuda(monkeypatch, D, H_kv, causal, dq_in_dkdv):
+    """The second call (new tensors, the same kind) replays each Hopper launch, descriptors included; the
+    binary replayed is the one ``kernel.warmup`` returns for that launch's arguments."""
+    _hopper_case(D, H_kv, causal, dq_in_dkdv, seed=0)
+    launches = _hopper_launches(monkeypatch, lambda: _hopper_case(D, H_kv, causal, dq_in_dkdv, seed=1))
+    assert len(launches) == (4 if dq_in_dkdv else 2)
+    for replay, grid, tensors, values, options in launches:
+        plan = replay.plans[replay.key((grid, *options.items()), tensors, values)]
+        assert plan.binary is replay.jit.warmup(*tensors, *values, grid=grid, **options), replay.jit.fn.__name__
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("D,H_kv,causal,dq_in_dkdv", HOPPER_CASES)
+def test_replayed_and_plain_hopper_launches_give_the_same_bits_cuda(monkeypatch, D, H_kv, causal, dq_in_dkdv):
+    """o, lse, dk, dv bit for bit; dq too where the tl kernel writes it (added by TMA, its last bit varies)."""
+    from kernels.flash_attention import hopper
+
+    _hopper_case(D, H_kv, causal, dq_in_dkdv, seed=0)
+    o, lse, (dq, dk, dv) = _hopper_case(D, H_kv, causal, dq_in_dkdv, seed=1)
+    for replay in (hopper.FWD, hopper.DKDV, hopper.DELTA, hopper.DQ_OUT):
+        monkeypatch.setattr(replay, "on", False)
+    o_p, lse_p, (dq_p, dk_p, dv_p) = _hopper_case(D, H_kv, causal, dq_in_dkdv, seed=1)
+    assert torch.equal(o, o_p) and torch.equal(lse, lse_p) and torch.equal(dk, dk_p) and torch.equal(dv, dv_p)
+    if dq_in_dkdv:
+        torch.testing.assert_close(dq, dq_p, atol=1e-3, rtol=0)
+    else:
+        assert torch.equal(dq, dq_p)

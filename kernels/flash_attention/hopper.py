@@ -88,6 +88,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
+from .launch import Replay
+
 LOG2E = 1.4426950408889634
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
 FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of; SM waves they must leave
@@ -726,6 +728,10 @@ def _bwd_dq_out(acc_ptr, dq_ptr, DQ_ROW, H, n_rows, sm_scale, HEAD_DIM: gl.const
     gl.store(out, (acc * sm_scale).to(dq_ptr.dtype.element_ty), mask=inside)
 
 
+# each kernel's launches: a call like an earlier one replays its binary (launch.py)
+FWD, DKDV, DELTA, DQ_OUT = map(Replay, (_attn_fwd_sm90, _attn_bwd_dkdv_sm90, _bwd_delta, _bwd_dq_out))
+
+
 def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
     """The PTX of the forward (kernel "fwd"), the backward's dK/dV kernel ("bwd") or that kernel adding dQ too
     ("bwd_dq") compiled for sm90a at the launch's tiles, without a GPU (Gluon has no interpreter: this is how a CPU
@@ -766,17 +772,17 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
                           options={"num_warps": 4, "maxnreg": WS_MAXNREG}).asm["ptx"]
 
 
-def tma_view(x):
-    """(B, T, H, D) x as the 2-D view (B * T, H * D) a tensor descriptor reads, or None where x's
-    strides do not allow one (D not contiguous, heads not adjacent, batches not T rows apart) or TMA's
-    16-byte alignment of the base and the row stride fails."""
+def tma_row(x) -> int | None:
+    """The row stride (elements) of (B, T, H, D) x read as the 2-D (B * T, H * D) a tensor descriptor
+    reads, or None where x's strides do not allow that (D not contiguous, heads not adjacent, batches not
+    T rows apart) or TMA's 16-byte alignment of the base and the row stride fails."""
     B, T, H, D = x.shape
     row = x.stride(1)
     if x.stride(3) != 1 or x.stride(2) != D or (B > 1 and x.stride(0) != T * row):
         return None
     if (x.data_ptr() % 16) or (row * x.element_size()) % 16:
         return None
-    return x.as_strided((B * T, H * D), (row, 1))
+    return row
 
 
 @functools.lru_cache(maxsize=None)
@@ -798,23 +804,23 @@ def unsupported(q, k, v, window: int, cu_seqlens, dropout_p: float, g) -> str | 
         return f"takes head dims {HEAD_DIMS}, not {q.shape[-1]}"
     if window or cu_seqlens is not None or dropout_p or g is not None:
         return "has no window, packed documents, dropout or gate yet"
-    if any(tma_view(x) is None for x in (q, k, v)):
+    if tma_row(q) is None or tma_row(k) is None or tma_row(v) is None:
         return "needs (B, T, H, D) inputs whose heads and rows TMA can read (16-byte aligned, D contiguous)"
     return None
 
 
 def descriptor(x, rows: int):
-    """The TMA descriptor of x's 2-D view (:func:`tma_view`) in tiles of ``rows`` x D."""
-    return tile_descriptor(tma_view(x), rows, x.shape[-1])
+    """The TMA descriptor of (B, T, H, D) x read as (B * T, H * D) (:func:`tma_row`) in tiles of ``rows`` x D."""
+    B, T, H, D = x.shape
+    return tile_descriptor(x, [B * T, H * D], [tma_row(x), 1], rows, D)
 
 
-def tile_descriptor(view, rows: int, cols: int):
-    """The TMA descriptor of a 2-D bf16, fp16 or float32 view in tiles of rows x cols (Gluon's default
-    shared-memory layout for them)."""
+def tile_descriptor(x, shape: list[int], strides: list[int], rows: int, cols: int):
+    """The TMA descriptor of bf16, fp16 or float32 x read as the 2-D ``shape`` with ``strides`` in tiles of
+    rows x cols (Gluon's default shared-memory layout for them)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [rows, cols],
-                            shared_layout(rows, cols, view.dtype))
+    return TensorDescriptor(x, shape, strides, [rows, cols], shared_layout(rows, cols, x.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -849,9 +855,10 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     if B * T == 0:
         return o, lse
     grid, heads = fwd_schedule(T, B * H, gpu_resources(q.device).sms)
-    _attn_fwd_sm90[grid](descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
-                         descriptor(o, FWD_HALF_M), o, lse, B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E,
-                         bool(causal), FWD_BLOCK_N, D, FWD_STAGES, num_warps=4, maxnreg=WS_MAXNREG)
+    FWD.launch(grid, (descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
+                      descriptor(o, FWD_HALF_M), o, lse),
+               (B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES),
+               num_warps=4, maxnreg=WS_MAXNREG)
     return o, lse
 
 
@@ -869,7 +876,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
 
     from .backward import attn_bwd
 
-    do = do if tma_view(do) is not None else do.contiguous()
+    do = do if tma_row(do) is not None else do.contiguous()
     B, T, H, D = q.shape
     if dq_in_dkdv is None:
         dq_in_dkdv = T >= DQ_IN_DKDV_FROM_T[D]
@@ -878,10 +885,12 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
         dq_in = dq_sum is not None
         dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
         grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
-        _attn_bwd_dkdv_sm90[grid](descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
-                                  descriptor(do, BWD_BLOCK_M), tile_descriptor(dq_sum, BWD_BLOCK_M, D // 2),
-                                  lse, delta, dk, dv, token_stride(dk, dv), T, H, H // k.shape[2],
-                                  softmax_scale, bool(causal), BWD_STAGES, dq_in, num_warps=4, maxnreg=WS_MAXNREG)
+        dq_desc = tile_descriptor(dq_sum, list(dq_sum.shape), [dq_sum.shape[1], 1], BWD_BLOCK_M, D // 2)
+        descs = (descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
+                 descriptor(do, BWD_BLOCK_M), dq_desc)
+        DKDV.launch(grid, (*descs, lse, delta, dk, dv),
+                    (token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, dq_in),
+                    num_warps=4, maxnreg=WS_MAXNREG)
 
     if not dq_in_dkdv:
         dq, dk, dv, _ = attn_bwd(do, q, k, v, o, lse, softmax_scale, causal, out=out, dkdv_launch=dkdv)
@@ -889,23 +898,23 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     dq, dk, dv = out if out is not None else (q.new_empty((B, T, H, D)), k.new_empty(k.shape), v.new_empty(v.shape))
     if B * T == 0:
         return dq, dk, dv
-    o = o if tma_view(o) is not None else o.contiguous()
+    o = o if tma_row(o) is not None else o.contiguous()
     n_rows = B * T * H
     rows_grid = (-(-n_rows // ROWS_BLOCK),)
     delta = q.new_empty((B, H, T), dtype=torch.float32)
-    _bwd_delta[rows_grid](o, do, delta, tma_view(o).stride(0), tma_view(do).stride(0), T, H, n_rows, D, ROWS_BLOCK,
-                          num_warps=4)
+    DELTA.launch(rows_grid, (o, do, delta),
+                 (tma_row(o), tma_row(do), T, H, n_rows, D, ROWS_BLOCK), num_warps=4)
     dq_sum = torch.zeros((B * T, H * D), dtype=torch.float32, device=q.device)
     dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum)
-    _bwd_dq_out[rows_grid](dq_sum, dq, token_stride(dq, dq), H, n_rows, softmax_scale, D, ROWS_BLOCK, num_warps=4)
+    DQ_OUT.launch(rows_grid, (dq_sum, dq), (token_stride(dq, dq), H, n_rows, softmax_scale, D, ROWS_BLOCK), num_warps=4)
     return dq, dk, dv
 
 
 def token_stride(dk, dv) -> int:
     """The elements from one token to the next of dk and dv (B, T, H_kv, D), which the dK/dV kernel
-    writes as rows of (B * T, that stride): the rows of :func:`tma_view`."""
-    view = tma_view(dk)
-    if view is None or dv.stride() != dk.stride():
+    writes as rows of (B * T, that stride): :func:`tma_row`."""
+    row = tma_row(dk)
+    if row is None or dv.stride() != dk.stride():
         raise ValueError(f"the Hopper dK/dV kernel writes dk and dv of one layout with D contiguous, heads adjacent "
                          f"and batches T tokens apart, not strides {dk.stride()} and {dv.stride()}")
-    return view.stride(0)
+    return row

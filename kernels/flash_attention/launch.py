@@ -13,7 +13,8 @@ launch passes the tensors, then every other argument but the keyword options (ti
 stages) positionally, constexprs included; :func:`plan_key` makes the key from the call itself:
 the current CUDA device, the caller's ``where`` (what the grid and the keyword options follow
 from), the type and value of every non-tensor argument (an integer's value fixes everything Triton
-reads from it) and the dtype and address mod 16 of every tensor. It holds every argument, whatever
+reads from it) and the dtype and address mod 16 of every tensor (of a Gluon tensor descriptor, which the
+Hopper kernels take: its dtype, tile and shared-memory layout). It holds every argument, whatever
 the kernel's signature, and it is finer than Triton's own key, so a call that finds a plan is a
 call Triton would give that very binary; an argument a kernel gains is in the key with no edit
 here.
@@ -25,13 +26,16 @@ No plan is kept, so every call is a plain ``kernel[grid]``:
   ``CompiledKernel.__getitem__`` were read (they specialise as above, and a binary is launched
   with every argument in signature order, constexprs included);
 - on a backend other than CUDA (ROCm's also specialises on a tensor's size);
-- for a call with another argument than a ``torch.Tensor`` (not a subclass) or None among the
-  tensors, or than an int, float, bool or None among the values.
+- for a call with another argument than a ``torch.Tensor`` (not a subclass), a Gluon tensor
+  descriptor or None among the tensors, or than an int, float, bool or None among the values.
+
+A launch whose grid and options are its own ``where`` (the Hopper kernels', ``hopper.py``) is
+``Replay.launch``; the tile kernels' goes through their ``tuning.Tuner``, which picks a config first.
 
 Triton's process-wide switches (``TRITON_DEBUG``, its instrumentation) are not in the key: set them
 before the first launch. ``tests/test_flash_launch.py`` checks that the key changes with every
-argument of our three launches, and on a GPU that each replayed binary is the one Triton's own
-lookup returns.
+argument of our launches, and on a GPU that each replayed binary is the one Triton's own lookup
+returns.
 """
 
 from __future__ import annotations
@@ -42,9 +46,15 @@ import torch
 import triton
 from triton.runtime import driver
 
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    DESCRIPTOR_TYPES = (TensorDescriptor,)
+except ImportError:  # a Triton before Gluon (3.4) builds no Hopper kernels
+    DESCRIPTOR_TYPES = ()
+
 Tensor = torch.Tensor
 REPLAYED_TRITON = ("3.6", "3.7", "3.8", "3.9")
-TENSOR_TYPES = frozenset((Tensor, type(None)))
+TENSOR_TYPES = frozenset((Tensor, type(None), *DESCRIPTOR_TYPES))
 VALUE_TYPES = frozenset((int, float, bool, type(None)))
 MAX_PLANS = 4096  # per kernel; all are dropped when full (a sampler's growing T makes a plan per length)
 
@@ -60,7 +70,8 @@ def plan_key(device: int, where: tuple, tensors: tuple, values: tuple) -> tuple:
     """The plan key of ``kernel[grid](*tensors, *values, **options)`` on CUDA device ``device``, whose
     grid and keyword options follow from ``where`` (module docstring)."""
     return (device, where, values, tuple(map(type, values)),
-            tuple([t if t is None else (t.dtype, t.data_ptr() & 15) for t in tensors]))
+            tuple([t if t is None else (t.dtype, t.data_ptr() & 15) if isinstance(t, Tensor)
+                   else (t.base.dtype, tuple(t.block_shape), t.layout) for t in tensors]))
 
 
 class Plan(NamedTuple):
@@ -94,4 +105,14 @@ class Replay:
                      for p in self.jit.params[len(tensors) + len(values):])
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
-        self.plans[key] = Plan(compiled[grid], rest, compiled)
+        self.plans[key] = Plan(compiled[(*grid, 1, 1)[:3]], rest, compiled)  # a binary's launch takes 3 grid dims
+
+    def launch(self, grid: tuple, tensors: tuple, values: tuple, **options) -> None:
+        """``jit[grid](*tensors, *values, **options)``, or the binary of an earlier such call with the same
+        plan key (``where``: the grid and the options)."""
+        key = self.key((grid, *options.items()), tensors, values)
+        plan = self.plans.get(key)
+        if plan is not None:
+            plan.launch(*tensors, *values, *plan.rest)
+            return
+        self.record(key, self.jit[grid](*tensors, *values, **options), grid, tensors, values, options)
