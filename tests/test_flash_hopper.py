@@ -207,25 +207,40 @@ def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, pac
     assert not failures, "; ".join(failures)
 
 
-def test_the_forward_pairs_query_blocks_of_two_heads_where_that_fills_the_sms():
-    """Each program takes query blocks n_m - 1 - i and i of FWD_HEADS heads, or of one head where two would leave
-    fewer than FWD_MIN_WAVES programs per SM (an H100: 132 SMs)."""
-    assert hopper.fwd_schedule(2048, 8 * 16, 132) == ((8, 64), 2)  # 512 programs
-    assert hopper.fwd_schedule(2048, 4 * 12, 132) == ((8, 48), 1)  # two heads: 192 programs
-    assert hopper.fwd_schedule(1000, 5, 132) == ((4, 5), 1)  # n_m = 8 blocks of 128 in pairs
-    assert hopper.fwd_schedule(129, 7, 1) == ((1, 4), 2)  # n_m = 2: one pair; 7 heads in programs of 2
+def test_the_forward_schedule_is_persistent_over_short_pairs_and_pairs_heads_over_long_ones():
+    """Where a pair of tiles meets at most FWD_PERSISTENT_MAX_WORK key blocks times D, at most one program per SM
+    (an H100: 132) takes block pairs p, p + programs, ...; otherwise a program takes query blocks n_m - 1 - i and
+    i of FWD_HEADS heads, or of one head where two would leave fewer than FWD_MIN_WAVES programs per SM."""
+    schedule = hopper.fwd_schedule
+    assert schedule(2048, 128, True, 8 * 16, 132) == ((132, 1), 8, 132)  # 17 blocks a pair; 1024 pairs, 8 a head
+    assert schedule(4096, 64, True, 4 * 12, 132) == ((132, 1), 6, 132)  # 33 blocks of 64 dims
+    assert schedule(2048, 64, False, 8 * 12, 132) == ((132, 1), 6, 132)  # full: 32 blocks of 64 dims
+    assert schedule(1000, 128, True, 5, 132) == ((20, 1), 1, 20)  # n_m = 8 blocks of 128: 4 pairs a head
+    assert schedule(129, 128, True, 7, 1) == ((1, 1), 7, 1)  # n_m = 2: one pair a head
+    assert schedule(4096, 128, True, 4 * 16, 132) == ((16, 32), 2, 16)  # 33 blocks of 128 dims: 512 programs
+    assert schedule(2048, 128, False, 4 * 12, 132) == ((8, 48), 1, 8)  # full: two heads would make 192 programs
+    assert schedule(8192, 64, True, 2 * 16, 132) == ((32, 16), 2, 32)
+
+
+SCHEDULES = {"persistent-3-sms": (10 ** 9, 3, 3), "persistent": (10 ** 9, 3, 132), "one-head": (0, 10 ** 9, 132),
+             "two-heads": (0, 0, 132)}  # FWD_PERSISTENT_MAX_WORK, FWD_MIN_WAVES, SMs
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
-@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("B, T, H, H_kv, D", [(2, 777, 3, 1, 128), (1, 129, 5, 5, 64), (3, 1, 2, 2, 128),
                                               (1, 640, 4, 2, 128)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, heads, B, T, H, H_kv, D, causal):
-    """With one or two heads a program (odd and even block counts, an odd number of heads, T = 1), o and lse
-    match the float64 reference as the float64 test bounds them."""
-    monkeypatch.setattr(hopper, "FWD_MIN_WAVES", 0 if heads == 2 else 10 ** 9)
-    assert hopper.fwd_schedule(T, B * H, 132)[1] == heads
+def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, schedule, B, T, H, H_kv, D, causal):
+    """Persistent (with 3 SMs, so that a program takes several pairs, or all of an H100's) and with one or two
+    heads a program (odd and even block counts, an odd number of heads, T = 1), o and lse match the float64
+    reference as the float64 test bounds them."""
+    from kernels import gpu
+
+    max_work, waves, sms = SCHEDULES[schedule]
+    monkeypatch.setattr(hopper, "FWD_PERSISTENT_MAX_WORK", max_work)
+    monkeypatch.setattr(hopper, "FWD_MIN_WAVES", waves)
+    monkeypatch.setattr(gpu, "gpu_resources", lambda device: gpu.GpuResources(sms, 232448, 3.35e12))
     q, k, v = _inputs(B, T, H, H_kv, D, torch.bfloat16, False)
     o, lse = hopper.attn_fwd_sm90(q, k, v, D ** -0.5, causal)
     truth = attention_ref(q, k, v, causal=causal, softmax_scale=D ** -0.5)

@@ -1,10 +1,12 @@
 """Flash attention for Hopper (sm90) in Gluon: TMA loads, asynchronous wgmma, base-2 online softmax.
 
 **Forward.** Warp-specialised, over tiles of 2 * ``FWD_HALF_M`` = 128 query rows of one (batch, query
-head). A program takes two tiles of each of its ``FWD_HEADS`` heads (one where fewer programs would
-not fill ``FWD_MIN_WAVES`` waves of the SMs): query blocks n_m - 1 - i, then i, so that under the
-causal mask every program meets the same n_m + 1 key blocks a head. Three partitions: a producer warp
-that loads both halves' Q tiles (two slots a half, taken by the tiles in turn) and then K_j and V_j of
+head), taken in pairs: query blocks n_m - 1 - i, then i, so that under the causal mask every pair meets
+the same n_m + 1 key blocks. Where a pair's key blocks times D are at most ``FWD_PERSISTENT_MAX_WORK``,
+one program per SM takes pairs p, p + programs, ... (such a pair is too short to pay for a program's start
+and end); otherwise a program takes the pairs of its ``FWD_HEADS`` heads (one where fewer programs would not fill
+``FWD_MIN_WAVES`` waves of the SMs) and the GPU hands programs to SMs as they free. Three partitions:
+a producer warp that loads both halves' Q tiles (two slots a half, taken by the tiles in turn) and then K_j and V_j of
 every key block into two rings of ``FWD_STAGES`` shared-memory slots (TMA, one "ready" mbarrier per
 slot), going on to the next tile's Q, K and V while the consumers finish a tile (a Q slot is refilled
 once the tile two before stored its O through it); and two consumer
@@ -93,6 +95,9 @@ from .launch import Replay
 LOG2E = 1.4426950408889634
 FWD_HALF_M, FWD_BLOCK_N, FWD_STAGES = 64, 128, 2  # forward: each consumer's query rows, keys per block, ring slots
 FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query blocks of; SM waves they must leave
+# forward: one program per SM where a pair of tiles meets at most this many key blocks times D: causal T <= 4096 at
+# D = 64 (1.04-1.08x), T <= 2048 at D = 128 (1.02-1.05x); full attention half those (docs/KERNEL.md)
+FWD_PERSISTENT_MAX_WORK = 36 * 64
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
@@ -146,13 +151,16 @@ def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from,
 @gluon.jit
 def _fwd_tile(k, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr):
-    """The program's k-th tile (k < 2 * heads): of its (batch, query head) k // 2, the query block
-    n_m - 1 - pair for even k, pair for odd k, so that every program meets n_m + 1 key blocks a head under
-    the causal mask. Returns (whether the tile exists, first row of its sequence in the 2-D views, its first
-    query, head, its KV head's column, key blocks)."""
-    n_m, n_bh, T, H, GROUP, heads = sched
-    pair = gl.program_id(0)
-    pid_bh = gl.program_id(1) * heads + k // 2
+    """The program's k-th tile (k < 2 * pairs): of its pair k // 2, pair number program_id(0) + (program_id(1)
+    * pairs + k // 2) * stride of the (batch, query head)-major list of every head's (n_m + 1) // 2 pairs,
+    the query block n_m - 1 - i for even k, i for odd k (i: the pair's place in its head), so that every pair
+    meets n_m + 1 key blocks under the causal mask. Returns (whether the tile exists, first row of its
+    sequence in the 2-D views, its first query, head, its KV head's column, key blocks)."""
+    n_m, n_bh, T, H, GROUP, pairs, stride = sched
+    n_pairs = (n_m + 1) // 2
+    item = gl.program_id(0) + (gl.program_id(1) * pairs + k // 2) * stride
+    pair = item % n_pairs
+    pid_bh = item // n_pairs
     block = gl.where(k % 2 == 1, pair, n_m - 1 - pair)
     exists = (pid_bh < n_bh) & ((k % 2 == 0) | (block != n_m - 1 - pair))
     head = pid_bh % H
@@ -175,10 +183,10 @@ def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.co
     q_smem, k_smem, v_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    heads = sched[5]
+    pairs = sched[5]
     kv_it = 0
     tile_it = 0
-    for k in range(2 * heads):
+    for k in range(2 * pairs):
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
             for half in gl.static_range(2):
@@ -208,11 +216,11 @@ def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.co
     + HALF_M) of the tile (:func:`_fwd_block_rows`), from the Q slot of the tile's parity, released once
     its O is stored through it."""
     q_ready, q_empty = bars[0], bars[1]
-    n_m, n_bh, T, H, GROUP, heads = sched
+    T, H, pairs = sched[2], sched[3], sched[5]
     HALF_M: gl.constexpr = descs[0].block_type.shape[0]
     kv_it = 0
     tile_it = 0
-    for k in range(2 * heads):
+    for k in range(2 * pairs):
         exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
         if exists:
             q_slot = 2 * (tile_it % 2) + HALF
@@ -349,13 +357,13 @@ def _fwd_load_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
 
 
 @gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROUP, HEADS, qk_scale,
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROUP, PAIRS, STRIDE, qk_scale,
                    IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    STAGES: gl.constexpr):
     """The persistent warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
-    q_desc's HALF_M rows each (the default partition and one worker). Tile t = 2 * HALF_M query rows of
-    one (batch, query head) (:func:`_fwd_tile`); program p takes tiles p, p + programs, ... o_desc and
-    o_ptr: the same output (B, T, H, D), contiguous."""
+    q_desc's HALF_M rows each (the default partition and one worker). A tile: 2 * HALF_M query rows of one
+    (batch, query head); a program takes PAIRS pairs of tiles, STRIDE pairs apart (:func:`_fwd_tile`).
+    o_desc and o_ptr: the same output (B, T, H, D), contiguous."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
     n_m = gl.cdiv(T, 2 * HALF_M)
     dtype: gl.constexpr = q_desc.dtype
@@ -379,7 +387,7 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROU
     descs = (q_desc, k_desc, v_desc, o_desc)
     bufs = (q_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-    sched = (n_m, B * H, T, H, GROUP, HEADS)
+    sched = (n_m, B * H, T, H, GROUP, PAIRS, STRIDE)
     worker_args = (descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale)
     if IS_CAUSAL:
         gl.warp_specialize([(_fwd_lo_causal, worker_args), (_fwd_hi_causal, worker_args),
@@ -764,7 +772,7 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         descriptors["do_desc"] = descriptor(rows_q)
         descriptors["k_desc"] = descriptor(2 * rows_kv)
         descriptors["dq_desc"] = descriptor(rows_q, "fp32", gl.float32, head_dim // 2)
-    sizes = ("B", "T", "H", "GROUP", "HEADS") if kernel == "fwd" else ("DKV_ROW", "T", "H", "GROUP")
+    sizes = ("B", "T", "H", "GROUP", "PAIRS", "STRIDE") if kernel == "fwd" else ("DKV_ROW", "T", "H", "GROUP")
     signature = {**descriptors, **pointers, **{name: "i32" for name in sizes}, **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -833,12 +841,19 @@ def shared_layout(rows: int, cols: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], element)
 
 
-def fwd_schedule(T: int, n_heads: int, n_sms: int) -> tuple[tuple[int, int], int]:
-    """The forward's grid over n_heads (batch, query head) pairs and the heads each program takes two query
-    blocks of: ``FWD_HEADS``, or one where that would leave fewer than ``FWD_MIN_WAVES`` programs per SM."""
-    pairs = -(-T // (4 * FWD_HALF_M))
-    heads = FWD_HEADS if pairs * -(-n_heads // FWD_HEADS) >= FWD_MIN_WAVES * n_sms else 1
-    return (pairs, -(-n_heads // heads)), heads
+def fwd_schedule(T: int, head_dim: int, causal: bool, n_heads: int, n_sms: int) -> tuple[tuple[int, int], int, int]:
+    """The forward's grid over n_heads (batch, query head) pairs of T queries, the block pairs each program
+    takes and the stride between them (:func:`_fwd_tile`): where a pair's key blocks times head_dim are at most
+    ``FWD_PERSISTENT_MAX_WORK``, at most one program per SM, taking pairs p, p + programs, ...; otherwise a
+    program per ``FWD_HEADS`` heads' pairs of one place (one head where that would leave fewer than
+    ``FWD_MIN_WAVES`` programs per SM)."""
+    n_m = -(-T // (2 * FWD_HALF_M))
+    n_pairs = -(-n_m // 2)
+    if (n_m + 1 if causal else 2 * n_m) * head_dim <= FWD_PERSISTENT_MAX_WORK:
+        programs = min(n_pairs * n_heads, n_sms)
+        return (programs, 1), -(-n_pairs * n_heads // programs), programs
+    heads = FWD_HEADS if n_pairs * -(-n_heads // FWD_HEADS) >= FWD_MIN_WAVES * n_sms else 1
+    return (n_pairs, -(-n_heads // heads)), heads, n_pairs
 
 
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
@@ -854,10 +869,11 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    grid, heads = fwd_schedule(T, B * H, gpu_resources(q.device).sms)
+    grid, pairs, stride = fwd_schedule(T, D, causal, B * H, gpu_resources(q.device).sms)
     FWD.launch(grid, (descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
                       descriptor(o, FWD_HALF_M), o, lse),
-               (B, T, H, H // k.shape[2], heads, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES),
+               (B, T, H, H // k.shape[2], pairs, stride, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D,
+                FWD_STAGES),
                num_warps=4, maxnreg=WS_MAXNREG)
     return o, lse
 
