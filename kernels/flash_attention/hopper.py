@@ -70,8 +70,8 @@ dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
 Queuing the next step's score matmuls behind dV and dK, 32-row query steps and a third ring slot
 measured no faster (docs/KERNEL.md).
 
-The inputs are 2-D views (B * T, H * D) of q, k, v (B, T, H|H_kv, D), contiguous: a tile is rows
-[b * T + start, + BLOCK) and columns [head * D, + D). Rows past T belong to the next sequence (or
+The descriptors read q, k, v (B, T, H|H_kv, D) as 2-D (B * T, H * D), rows a token apart (:func:`tma_row`;
+a packed qkv in place): a tile is rows [b * T + start, + BLOCK) and columns [head * D, + D). Rows past T belong to the next sequence (or
 lie past the tensor, where TMA fills zeros); the sequence-end mask drops those keys and the stores
 skip those query rows. GQA: query head h reads KV head h // (H / H_kv).
 
