@@ -25,6 +25,8 @@ from kernels.flash_attention.dropout import draw_dropout_rng  # noqa: E402
 DEVICE = "cuda" if CUDA else "cpu"
 TUNERS = (forward.FWD, backward.DQ, backward.DKDV)
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+sm90 = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability()[0] == 9),
+                          reason="needs an sm90 GPU (H100/H200)")
 
 
 def _inputs(B=1, T=40, H=2, HKV=1, D=32, dtype=None, offset=0, seed=0):
@@ -212,9 +214,6 @@ def test_a_tensor_subclass_records_no_plan_cuda():
     assert len(forward.FWD.replay.plans) == before + 1
 
 
-SM90 = CUDA and torch.cuda.get_device_capability()[0] == 9
-
-
 def _hopper_launches(monkeypatch, call) -> list[tuple]:
     """(replay, grid, tensors, values, options) of each Hopper-kernel launch ``call`` makes."""
     from kernels.flash_attention import hopper
@@ -243,7 +242,7 @@ HOPPER_CASES = [pytest.param(128, 2, True, True, id="D128-gqa-causal-dq-in-dkdv"
                 pytest.param(64, 4, False, False, id="D64-full-dq-tl")]
 
 
-@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@sm90
 @pytest.mark.parametrize("D,H_kv,causal,dq_in_dkdv", HOPPER_CASES)
 def test_every_replayed_hopper_binary_is_the_one_triton_looks_up_cuda(monkeypatch, D, H_kv, causal, dq_in_dkdv):
     """The second call (new tensors, the same kind) replays each Hopper launch, descriptors included; the
@@ -256,7 +255,7 @@ def test_every_replayed_hopper_binary_is_the_one_triton_looks_up_cuda(monkeypatc
         assert plan.binary is replay.jit.warmup(*tensors, *values, grid=grid, **options), replay.jit.fn.__name__
 
 
-@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@sm90
 @pytest.mark.parametrize("D,H_kv,causal,dq_in_dkdv", HOPPER_CASES)
 def test_replayed_and_plain_hopper_launches_give_the_same_bits_cuda(monkeypatch, D, H_kv, causal, dq_in_dkdv):
     """o, lse, dk, dv bit for bit; dq too where the tl kernel writes it (added by TMA, its last bit varies)."""
