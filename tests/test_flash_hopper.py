@@ -222,6 +222,20 @@ def test_the_forward_schedule_is_persistent_over_short_pairs_and_pairs_heads_ove
     assert schedule(8192, 64, True, 2 * 16, 132) == ((32, 16), 2, 32)
 
 
+def test_the_dkdv_grid_takes_heads_in_sections_that_fit_the_l2_where_it_adds_dq():
+    """With dQ, a section holds the most (batch, KV head)s that divide their number and whose Q, dO and float32 dQ
+    (8 bytes an element, times the query heads of a KV head) fit BWD_SECTION_BYTES (16 MB); without, one."""
+    section = hopper.bwd_section
+    assert section(2048, 128, 1, True, 8 * 16) == 8  # 2 MB a head: at most 8, a divisor of 128
+    assert section(4096, 128, 1, True, 4 * 16) == 4
+    assert section(8192, 128, 1, True, 2 * 16) == 2
+    assert section(16384, 128, 1, True, 6) == 1  # 16 MB a head
+    assert section(4096, 64, 1, True, 4 * 12) == 8
+    assert section(2048, 128, 4, True, 3 * 5) == 1  # 8 MB a KV head: 2, not a divisor of 15
+    assert section(256, 64, 1, True, 7) == 7  # every head fits: one section
+    assert section(1024, 128, 1, False, 16 * 16) == 1  # beside the tl dQ kernel
+
+
 SCHEDULES = {"persistent-3-sms": (10 ** 9, 3, 3), "persistent": (10 ** 9, 3, 132), "one-head": (0, 10 ** 9, 132),
              "two-heads": (0, 0, 132)}  # FWD_PERSISTENT_MAX_WORK, FWD_MIN_WAVES, SMs
 
@@ -247,6 +261,29 @@ def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, sch
     low = attention_ref(q, k, v, causal=causal, softmax_scale=D ** -0.5, compute_dtype=None)
     for got, want, base in zip((o, lse), truth, low):
         assert _max_err(got, want) <= 2 * _max_err(base, want) + ATOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_every_dkdv_section_gives_the_same_gradients_cuda(monkeypatch, causal):
+    """Sections of 1, 2, 3 and 6 (batch, KV head)s, 6 in all (GQA, odd T): dk and dv bit-identical, dq (added in
+    any order) within the float64 test's bound."""
+    q, k, v = _inputs(2, 777, 6, 3, 128, torch.bfloat16, False)
+    do = torch.randn_like(q)
+    o, lse = hopper.attn_fwd_sm90(q, k, v, 128 ** -0.5, causal)
+    ins = [x.double().requires_grad_() for x in (q, k, v)]
+    o64, _ = attention_ref(*ins, causal=causal, softmax_scale=128 ** -0.5)
+    dq64 = torch.autograd.grad(o64, ins[0], do.double())[0]
+    low = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o_low, _ = attention_ref(*low, causal=causal, softmax_scale=128 ** -0.5, compute_dtype=None)
+    dq_low = torch.autograd.grad(o_low, low[0], do)[0]
+    grads = {}
+    for sections in (1, 2, 3, 6):
+        monkeypatch.setattr(hopper, "bwd_section", lambda *args, sections=sections: sections)
+        grads[sections] = hopper.attn_bwd_sm90(do, q, k, v, o, lse, 128 ** -0.5, causal, dq_in_dkdv=True)
+        assert _max_err(grads[sections][0], dq64) <= 3 * _max_err(dq_low, dq64) + ATOL[torch.bfloat16]
+    for sections in (2, 3, 6):
+        assert torch.equal(grads[sections][1], grads[1][1]) and torch.equal(grads[sections][2], grads[1][2])
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")

@@ -54,6 +54,12 @@ warpgroup's keys: that warpgroup skips its four matmuls there (P = dS = 0; dk an
 with dQ, shares a zero dS^T; the step's code in two branches also left the dQ kernel 8 bytes of spills
 where it had 120 (triton 3.6). On an H100 1.03-1.08x the backward with dQ at D = 128 (docs/KERNEL.md).
 
+The GPU starts programs in grid order. With dQ in the kernel (below) the grid takes the (batch, KV head)s in
+sections whose Q, dO and dQ fit ``BWD_SECTION_BYTES`` of L2, each section's key blocks in order and its heads
+fastest, so that under the causal mask every head's longest key blocks start before any head's shorter ones
+(key blocks fastest, the last head's longest blocks started late and set the end): on an H100 1.04-1.07x
+forward + backward from T = 2048 at D = 128 and at (4,12,4096,64) (docs/KERNEL.md).
+
 dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
 - T < ``DQ_IN_DKDV_FROM_T[D]``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
   first, recomputing S and dP: seven matmuls, deterministic.
@@ -99,6 +105,7 @@ FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query bloc
 # D = 64 (1.04-1.08x), T <= 2048 at D = 128 (1.02-1.05x); full attention half those (docs/KERNEL.md)
 FWD_PERSISTENT_MAX_WORK = 36 * 64
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
+BWD_SECTION_BYTES = 16 << 20  # dK/dV grid: Q, dO and dQ bytes of a section of (batch, KV head)s; the H100's L2: 50 MB
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
 WS_MAXNREG = 168  # 12 warps (3 warpgroups) at 168 registers fill the register file: 240 + 240 + 24 a warpgroup
 # where attention.kernel=auto runs these kernels: head dim -> least T. At D = 64 they are faster in GPU time from
@@ -633,9 +640,12 @@ def _dkdv_hi_full_dq(descs, bufs, bars, sizes, ptrs, sm_scale):
 
 @gluon.jit
 def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, DKV_ROW, T, H,
-                        GROUP, sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, WITH_DQ: gl.constexpr):
+                        GROUP, SECTION, sm_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                        WITH_DQ: gl.constexpr):
     """The warp-specialised dK/dV kernel: 2 * HALF_N keys (k_desc's rows; v_desc reads HALF_N) of one (batch,
-    KV head) per program, a producer warp and two consumer warpgroups of HALF_N keys each. dk and dv:
+    KV head) per program, a producer warp and two consumer warpgroups of HALF_N keys each. Grid (key blocks *
+    SECTION, (batch, KV head)s / SECTION): each section's key blocks in order, its heads fastest
+    (:func:`bwd_section`). dk and dv:
     (B, T, H_kv, D) with DKV_ROW elements from one token to the next (H_kv * D contiguous; more in a packed
     gradient). WITH_DQ: dQ is added too, into the float32 (B * T, H * D) that dq_desc (tiles of BLOCK_M x D / 2)
     describes; without, dq_desc is not read."""
@@ -643,8 +653,8 @@ def _attn_bwd_dkdv_sm90(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    pid_n = gl.program_id(0)
-    pid_bkv = gl.program_id(1)
+    pid_n = gl.program_id(0) // SECTION
+    pid_bkv = gl.program_id(1) * SECTION + gl.program_id(0) % SECTION
     H_KV = H // GROUP
     batch = pid_bkv // H_KV
     kv_head = pid_bkv % H_KV
@@ -772,7 +782,8 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         descriptors["do_desc"] = descriptor(rows_q)
         descriptors["k_desc"] = descriptor(2 * rows_kv)
         descriptors["dq_desc"] = descriptor(rows_q, "fp32", gl.float32, head_dim // 2)
-    sizes = ("B", "T", "H", "GROUP", "PAIRS", "STRIDE") if kernel == "fwd" else ("DKV_ROW", "T", "H", "GROUP")
+    sizes = (("B", "T", "H", "GROUP", "PAIRS", "STRIDE") if kernel == "fwd"
+             else ("DKV_ROW", "T", "H", "GROUP", "SECTION"))
     signature = {**descriptors, **pointers, **{name: "i32" for name in sizes}, **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -900,12 +911,15 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     def dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum=None):
         dq_in = dq_sum is not None
         dq_sum = dq_sum if dq_in else torch.empty((BWD_BLOCK_M, D // 2), dtype=torch.float32, device=q.device)
-        grid = (-(-T // (2 * BWD_HALF_N)), B * k.shape[2])
+        n_bkv = B * k.shape[2]
+        section = bwd_section(T, D, H // k.shape[2], dq_in, n_bkv)
+        grid = (-(-T // (2 * BWD_HALF_N)) * section, n_bkv // section)
         dq_desc = tile_descriptor(dq_sum, list(dq_sum.shape), [dq_sum.shape[1], 1], BWD_BLOCK_M, D // 2)
         descs = (descriptor(q, BWD_BLOCK_M), descriptor(k, 2 * BWD_HALF_N), descriptor(v, BWD_HALF_N),
                  descriptor(do, BWD_BLOCK_M), dq_desc)
         DKDV.launch(grid, (*descs, lse, delta, dk, dv),
-                    (token_stride(dk, dv), T, H, H // k.shape[2], softmax_scale, bool(causal), BWD_STAGES, dq_in),
+                    (token_stride(dk, dv), T, H, H // k.shape[2], section, softmax_scale, bool(causal), BWD_STAGES,
+                     dq_in),
                     num_warps=4, maxnreg=WS_MAXNREG)
 
     if not dq_in_dkdv:
@@ -924,6 +938,16 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
     dkdv(q, k, v, do, lse, delta, dk, dv, dq_sum)
     DQ_OUT.launch(rows_grid, (dq_sum, dq), (token_stride(dq, dq), H, n_rows, softmax_scale, D, ROWS_BLOCK), num_warps=4)
     return dq, dk, dv
+
+
+def bwd_section(T: int, head_dim: int, group: int, dq_in: bool, n_bkv: int) -> int:
+    """The (batch, KV head)s of one section of the dK/dV grid (:func:`_attn_bwd_dkdv_sm90`): where the kernel adds
+    dQ, the most that divide n_bkv and keep their Q, dO and float32 dQ sum within ``BWD_SECTION_BYTES``; one
+    otherwise (beside the tl dQ kernel, sections measured 0.96-1.02x at T = 1024: docs/KERNEL.md)."""
+    if not dq_in:
+        return 1
+    most = max(1, BWD_SECTION_BYTES // (group * T * head_dim * (2 + 2 + 4)))
+    return max(d for d in range(1, min(most, n_bkv) + 1) if n_bkv % d == 0)
 
 
 def token_stride(dk, dv) -> int:
