@@ -57,8 +57,8 @@ where it had 120 (triton 3.6). On an H100 1.03-1.08x the backward with dQ at D =
 The GPU starts programs in grid order. With dQ in the kernel (below) the grid takes the (batch, KV head)s in
 sections whose Q, dO and dQ fit ``BWD_SECTION_BYTES`` of L2, each section's key blocks in order and its heads
 fastest, so that under the causal mask every head's longest key blocks start before any head's shorter ones
-(key blocks fastest, the last head's longest blocks started late and set the end): on an H100 1.04-1.07x
-forward + backward from T = 2048 at D = 128 and at (4,12,4096,64) (docs/KERNEL.md).
+(key blocks fastest, the last head's longest blocks started late and set the end): on an H100 forward +
+backward 1.01-1.07x at D = 128 from T = 2048 to 8192, 1.03-1.07x at D = 64 at T = 4096 and 8192 (docs/KERNEL.md).
 
 dQ comes one of two ways (``attn_bwd_sm90``'s ``dq_in_dkdv``):
 - T < ``DQ_IN_DKDV_FROM_T[D]``: the ``tl`` dQ kernel (backward.py; it also writes delta = rowsum(dO * O)) runs
