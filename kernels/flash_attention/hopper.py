@@ -943,7 +943,7 @@ def attn_bwd_sm90(do, q, k, v, o, lse, softmax_scale: float, causal: bool, out=N
 def bwd_section(T: int, head_dim: int, group: int, dq_in: bool, n_bkv: int) -> int:
     """The (batch, KV head)s of one section of the dK/dV grid (:func:`_attn_bwd_dkdv_sm90`): where the kernel adds
     dQ, the most that divide n_bkv and keep their Q, dO and float32 dQ sum within ``BWD_SECTION_BYTES``; one
-    otherwise (beside the tl dQ kernel, sections measured 0.96-1.02x at T = 1024: docs/KERNEL.md)."""
+    otherwise (beside the tl dQ kernel, sections measured 0.85-1.06x at T = 1024: docs/KERNEL.md)."""
     if not dq_in:
         return 1
     most = max(1, BWD_SECTION_BYTES // (group * T * head_dim * (2 + 2 + 4)))
