@@ -38,7 +38,7 @@ def sm90_ptx() -> dict:
     TRITON_INTERPRET (which the CPU suite sets, and which turns triton's library into interpreted code)."""
     variants = [(k, d, t, c) for k in ("fwd", "bwd") for d in hopper.HEAD_DIMS for t in ("bf16", "fp16")
                 for c in (True, False)]
-    variants += [("bwd_dq", d, "bf16", c) for d in hopper.HEAD_DIMS for c in (True, False)]
+    variants += [(k, d, "bf16", c) for k in ("bwd_dq", "fwd_dynamic") for d in hopper.HEAD_DIMS for c in (True, False)]
     code = ("import json, sys; from kernels.flash_attention.hopper import compile_for_sm90; "
             f"print(json.dumps([compile_for_sm90(*v) for v in {variants!r}]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -61,6 +61,20 @@ def test_the_kernels_compile_for_sm90_with_wgmma_and_tma(sm90_ptx, kernel, head_
     assert "cp.reduce.async.bulk" not in ptx  # only the variant that adds dQ reduces
     if kernel == "fwd":  # O leaves by TMA where its rows lie inside the sequence
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_dynamic_forward_takes_tiles_by_a_relaxed_atomic_and_resets_its_counters(sm90_ptx, head_dim, causal):
+    """The forward that hands tiles out dynamically is warp-specialised like the static one, fetches each next tile
+    by a relaxed atomic add (an acquire would stall the producer's loads), counts its finished programs by an
+    acq_rel one, and the last program sets both counters back to zero by exchange; the static forward has no
+    atomics."""
+    ptx = sm90_ptx[("fwd_dynamic", head_dim, "bf16", causal)]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg.dec" in ptx
+    assert "atom.global.gpu.relaxed.add.u32" in ptx and "atom.global.gpu.acq_rel.add.u32" in ptx
+    assert "atom.global.gpu.acq_rel.exch.b32" in ptx
+    assert "atom." not in sm90_ptx[("fwd", head_dim, "bf16", causal)]
 
 
 @pytest.mark.parametrize("head_dim", hopper.HEAD_DIMS)
@@ -209,17 +223,32 @@ def test_the_hopper_kernels_match_a_float64_reference_cuda(B, T, H, H_kv, D, pac
 
 def test_the_forward_schedule_is_persistent_over_short_pairs_and_pairs_heads_over_long_ones():
     """Where a pair of tiles meets at most FWD_PERSISTENT_MAX_WORK key blocks times D, at most one program per SM
-    (an H100: 132) takes block pairs p, p + programs, ...; otherwise a program takes query blocks n_m - 1 - i and
-    i of FWD_HEADS heads, or of one head where two would leave fewer than FWD_MIN_WAVES programs per SM."""
+    (an H100: 132) takes block pairs p, p + programs, ... (section 0); otherwise a program takes query blocks
+    n_m - 1 - i and i of FWD_HEADS heads, or of one head where two would leave fewer than FWD_MIN_WAVES programs
+    per SM. Arguments: T, D, causal, query heads a KV head, bytes an element, (batch, head)s, SMs."""
     schedule = hopper.fwd_schedule
-    assert schedule(2048, 128, True, 8 * 16, 132) == ((132, 1), 8, 132)  # 17 blocks a pair; 1024 pairs, 8 a head
-    assert schedule(4096, 64, True, 4 * 12, 132) == ((132, 1), 6, 132)  # 33 blocks of 64 dims
-    assert schedule(2048, 64, False, 8 * 12, 132) == ((132, 1), 6, 132)  # full: 32 blocks of 64 dims
-    assert schedule(1000, 128, True, 5, 132) == ((20, 1), 1, 20)  # n_m = 8 blocks of 128: 4 pairs a head
-    assert schedule(129, 128, True, 7, 1) == ((1, 1), 7, 1)  # n_m = 2: one pair a head
-    assert schedule(4096, 128, True, 4 * 16, 132) == ((16, 32), 2, 16)  # 33 blocks of 128 dims: 512 programs
-    assert schedule(2048, 128, False, 4 * 12, 132) == ((8, 48), 1, 8)  # full: two heads would make 192 programs
-    assert schedule(8192, 64, True, 2 * 16, 132) == ((32, 16), 2, 32)
+    assert schedule(2048, 128, True, 1, 2, 8 * 16, 132) == ((132, 1), 8, 132, 0)  # 17 blocks a pair; 1024 pairs
+    assert schedule(4096, 64, True, 1, 2, 4 * 12, 132) == ((132, 1), 6, 132, 0)  # 33 blocks of 64 dims
+    assert schedule(2048, 64, False, 1, 2, 8 * 12, 132) == ((132, 1), 6, 132, 0)  # full: 32 blocks of 64 dims
+    assert schedule(1000, 128, True, 1, 2, 5, 132) == ((20, 1), 1, 20, 0)  # n_m = 8 blocks of 128: 4 pairs a head
+    assert schedule(129, 128, True, 1, 2, 7, 1) == ((1, 1), 7, 1, 0)  # n_m = 2: one pair a head
+    assert schedule(4096, 128, True, 1, 2, 4 * 16, 132) == ((16, 32), 2, 16, 0)  # 33 blocks of 128: 512 programs
+    assert schedule(2048, 128, False, 1, 2, 4 * 12, 132) == ((8, 48), 1, 8, 0)  # full: two heads: 192 programs
+    assert schedule(8192, 64, True, 1, 2, 2 * 16, 132) == ((32, 16), 2, 32, 0)
+
+
+def test_the_forward_hands_out_single_tiles_where_static_pairs_leave_the_sms_idle():
+    """Where the static pairs would keep the SMs less than FWD_STATIC_FILL busy, one program per SM takes single
+    tiles as they free (no pairs, no stride), in sections: the fewest whose K and V fit FWD_SECTION_BYTES (32 MB),
+    as even as that count allows."""
+    schedule = hopper.fwd_schedule
+    # 72 heads x 4 pairs = 288 over 132 programs: 3 rounds, 73 % busy; 512 KB of K and V a head: 64 a section
+    assert schedule(1024, 128, True, 1, 2, 12 * 6, 132) == ((132, 1), 0, 0, 36)
+    assert schedule(1024, 64, True, 1, 2, 12 * 12, 132) == ((132, 1), 0, 0, 72)  # 576 pairs, 87 %; 256 KB a head
+    assert schedule(1024, 64, True, 3, 2, 12 * 12, 132) == ((132, 1), 0, 0, 144)  # GQA: a KV head for 3
+    assert schedule(1024, 64, False, 1, 2, 12 * 12, 132) == ((132, 1), 0, 0, 72)  # full attention alike
+    assert schedule(1024, 64, True, 1, 4, 12 * 12, 132) == ((132, 1), 0, 0, 48)  # float32: 3 sections
+    assert schedule(1024, 128, True, 1, 2, 16 * 16, 132) == ((132, 1), 8, 132, 0)  # 1024 pairs: 97 % busy
 
 
 def test_the_dkdv_grid_takes_heads_in_sections_that_fit_the_l2_where_it_adds_dq():
@@ -236,8 +265,11 @@ def test_the_dkdv_grid_takes_heads_in_sections_that_fit_the_l2_where_it_adds_dq(
     assert section(1024, 128, 1, False, 16 * 16) == 1  # beside the tl dQ kernel
 
 
-SCHEDULES = {"persistent-3-sms": (10 ** 9, 3, 3), "persistent": (10 ** 9, 3, 132), "one-head": (0, 10 ** 9, 132),
-             "two-heads": (0, 0, 132)}  # FWD_PERSISTENT_MAX_WORK, FWD_MIN_WAVES, SMs
+SCHEDULES = {"persistent-3-sms": (10 ** 9, 3, 3, 0), "persistent": (10 ** 9, 3, 132, 0),
+             "one-head": (0, 10 ** 9, 132, 0), "two-heads": (0, 0, 132, 0), "dynamic-3-sms": (10 ** 9, 3, 3, 2),
+             "dynamic": (10 ** 9, 3, 132, 2), "dynamic-uneven-sections": (10 ** 9, 3, 132, 4 * 2 * 129 * 64 * 2)}
+# FWD_PERSISTENT_MAX_WORK, FWD_MIN_WAVES, SMs, and where not 0 FWD_SECTION_BYTES with FWD_STATIC_FILL above 1
+# (the last: four of (1, 129, 5, 5, 64)'s heads, so sections of 3 and 2)
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
@@ -246,14 +278,18 @@ SCHEDULES = {"persistent-3-sms": (10 ** 9, 3, 3), "persistent": (10 ** 9, 3, 132
                                               (1, 640, 4, 2, 128)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, schedule, B, T, H, H_kv, D, causal):
-    """Persistent (with 3 SMs, so that a program takes several pairs, or all of an H100's) and with one or two
-    heads a program (odd and even block counts, an odd number of heads, T = 1), o and lse match the float64
-    reference as the float64 test bounds them."""
+    """Persistent (with 3 SMs, so that a program takes several pairs, or all of an H100's), with one or two
+    heads a program (odd and even block counts, an odd number of heads, T = 1), and with single tiles handed out
+    dynamically (3 SMs or 132; sections of one head, or sections that the heads' count leaves uneven), o and lse
+    match the float64 reference as the float64 test bounds them."""
     from kernels import gpu
 
-    max_work, waves, sms = SCHEDULES[schedule]
+    max_work, waves, sms, section_bytes = SCHEDULES[schedule]
     monkeypatch.setattr(hopper, "FWD_PERSISTENT_MAX_WORK", max_work)
     monkeypatch.setattr(hopper, "FWD_MIN_WAVES", waves)
+    if section_bytes:
+        monkeypatch.setattr(hopper, "FWD_STATIC_FILL", 2.0)
+        monkeypatch.setattr(hopper, "FWD_SECTION_BYTES", section_bytes)
     monkeypatch.setattr(gpu, "gpu_resources", lambda device: gpu.GpuResources(sms, 232448, 3.35e12))
     q, k, v = _inputs(B, T, H, H_kv, D, torch.bfloat16, False)
     o, lse = hopper.attn_fwd_sm90(q, k, v, D ** -0.5, causal)
@@ -261,6 +297,34 @@ def test_every_forward_schedule_computes_every_query_block_cuda(monkeypatch, sch
     low = attention_ref(q, k, v, causal=causal, softmax_scale=D ** -0.5, compute_dtype=None)
     for got, want, base in zip((o, lse), truth, low):
         assert _max_err(got, want) <= 2 * _max_err(base, want) + ATOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")
+def test_the_dynamic_forward_leaves_its_counters_at_zero_on_every_stream_and_in_a_cuda_graph_cuda(monkeypatch):
+    """Tiles handed out dynamically give the static schedule's o and lse bit for bit: on the current stream, on
+    another (each stream its own counters), and replayed from a CUDA graph (counters of its own); every counter
+    is zero after each launch."""
+    monkeypatch.setattr(hopper, "TILE_COUNTERS", {})
+    q, k, v = _inputs(3, 1000, 6, 2, 128, torch.bfloat16, False)
+    static = hopper.attn_fwd_sm90(q, k, v, 128 ** -0.5, True)
+    monkeypatch.setattr(hopper, "FWD_STATIC_FILL", 2.0)
+    runs = [hopper.attn_fwd_sm90(q, k, v, 128 ** -0.5, True) for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        runs.append(hopper.attn_fwd_sm90(q, k, v, 128 ** -0.5, True))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = hopper.attn_fwd_sm90(q, k, v, 128 ** -0.5, True)
+    for _ in range(3):
+        graph.replay()
+        runs.append(tuple(x.clone() for x in captured))
+    torch.cuda.synchronize()
+    assert len(hopper.TILE_COUNTERS) == 2
+    assert all(counter.tolist() == [0, 0] for counter in hopper.TILE_COUNTERS.values())
+    for o, lse in runs:
+        assert torch.equal(o, static[0]) and torch.equal(lse, static[1])
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm90 GPU (H100/H200)")

@@ -36,6 +36,14 @@ pairs made the forward 0.99-1.13x one tile a program at D = 128 and 1.06-1.17x a
 persistent grid of one program per SM taking every SM-count-th tile was 0.73-0.99x, its programs'
 causal work unequal (docs/KERNEL.md).
 
+Where the persistent pairs cannot fill the SMs (their count is not near a multiple of the SMs': 288 pairs over
+132 programs at (12,6,1024,128) keep them 73 % busy; ``FWD_STATIC_FILL``), a second kernel hands out single
+tiles as programs free, as FlashAttention-3's scheduler does: an atomic counter, tiles ordered longest first
+within sections of heads whose K and V fit ``FWD_SECTION_BYTES`` of L2 (:func:`_fwd_listed_tile`). On an H100
+1.08-1.16x the static pairs at (12,6,1024,128) and 1.04-1.12x at (12,12,1024,64); where the pairs fill 97 % it
+was 0.89-0.99x, so those keep them (docs/KERNEL.md). The counters are one pair per stream, left at zero by each
+launch, and a fresh pair per launch a CUDA graph captures (:func:`tile_counter`).
+
 **Backward.** A warp-specialised kernel over key blocks: one program per 2 * ``BWD_HALF_N`` = 128 keys of
 one (batch, KV head), a producer warp that loads the block's K and both halves' V once and then Q and dO of
 every (query head, ``BWD_BLOCK_M``-row query block) step into a ring of ``BWD_STAGES`` slots, beside the
@@ -104,6 +112,11 @@ FWD_HEADS, FWD_MIN_WAVES = 2, 3  # forward: heads a program takes two query bloc
 # forward: one program per SM where a pair of tiles meets at most this many key blocks times D: causal T <= 4096 at
 # D = 64 (1.04-1.08x), T <= 2048 at D = 128 (1.02-1.05x); full attention half those (docs/KERNEL.md)
 FWD_PERSISTENT_MAX_WORK = 36 * 64
+# there, the least share of the SMs' time that the static pairs keep busy: below, tiles go out as programs free
+# (docs/KERNEL.md: 73 % at (12,6,1024,128), dynamic 1.08-1.16x; 97 % at the anchors, dynamic 0.89-0.99x)
+FWD_STATIC_FILL = 0.9
+FWD_SECTION_BYTES = 32 << 20  # forward, dynamic: K and V bytes of a section of heads (_fwd_listed_tile)
+TILE_COUNTERS = {}  # (device index, stream) -> the forward's two int32 counters (tile_counter)
 BWD_HALF_N, BWD_BLOCK_M, BWD_STAGES = 64, 64, 2  # dK/dV: each consumer's keys, query rows per step, ring slots
 BWD_SECTION_BYTES = 16 << 20  # dK/dV grid: Q, dO and dQ bytes of a section of (batch, KV head)s; the H100's L2: 50 MB
 ROWS_BLOCK = 64  # (token, head) rows per program of the backward's delta and dQ-out kernels
@@ -156,87 +169,224 @@ def _softmax_block(s, m_i, l_i, offs_m, n_start, offs_n, T, qk_scale, mask_from,
 
 
 @gluon.jit
-def _fwd_tile(k, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr):
-    """The program's k-th tile (k < 2 * pairs): of its pair k // 2, pair number program_id(0) + (program_id(1)
-    * pairs + k // 2) * stride of the (batch, query head)-major list of every head's (n_m + 1) // 2 pairs,
-    the query block n_m - 1 - i for even k, i for odd k (i: the pair's place in its head), so that every pair
-    meets n_m + 1 key blocks under the causal mask. Returns (whether the tile exists, first row of its
-    sequence in the 2-D views, its first query, head, its KV head's column, key blocks)."""
-    n_m, n_bh, T, H, GROUP, pairs, stride = sched
+def _fwd_pair_tile(k, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr):
+    """The static schedule's k-th tile of the program (k < 2 * PAIRS): of its pair k // 2, pair number
+    program_id(0) + (program_id(1) * PAIRS + k // 2) * STRIDE of the (batch, query head)-major list of every
+    head's (n_m + 1) // 2 pairs, the query block n_m - 1 - i for even k, i for odd k (i: the pair's place in its
+    head), so that every pair meets n_m + 1 key blocks under the causal mask. Returns (whether the tile exists,
+    then :func:`_fwd_coords`)."""
+    n_m, n_bh, PAIRS, STRIDE = sched[0], sched[1], sched[5], sched[6]
     n_pairs = (n_m + 1) // 2
-    item = gl.program_id(0) + (gl.program_id(1) * pairs + k // 2) * stride
+    item = gl.program_id(0) + (gl.program_id(1) * PAIRS + k // 2) * STRIDE
     pair = item % n_pairs
     pid_bh = item // n_pairs
     block = gl.where(k % 2 == 1, pair, n_m - 1 - pair)
     exists = (pid_bh < n_bh) & ((k % 2 == 0) | (block != n_m - 1 - pair))
+    return exists, _fwd_coords(pid_bh, block * ROWS, sched, IS_CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+
+
+@gluon.jit
+def _fwd_listed_tile(tile, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr):
+    """Tile ``tile`` of the dynamic schedule's list: sections of SECTION (batch, query head)s in turn (the last
+    may be smaller); within a section the query blocks from the last to the first (under the causal mask, from
+    the most key blocks to the fewest), the section's heads fastest (:func:`_fwd_coords`)."""
+    n_m, n_bh, SECTION = sched[0], sched[1], sched[5]
+    first_bh = (tile // (SECTION * n_m)) * SECTION
+    heads = gl.minimum(SECTION, n_bh - first_bh)
+    place = tile % (SECTION * n_m)
+    return _fwd_coords(first_bh + place % heads, (n_m - 1 - place // heads) * ROWS, sched, IS_CAUSAL, ROWS, BLOCK_N,
+                       HEAD_DIM)
+
+
+@gluon.jit
+def _fwd_coords(pid_bh, q_start, sched, IS_CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """(first row of the sequence in the 2-D views, first query, head, its KV head's column, key blocks) of the
+    tile of ROWS queries from q_start of (batch, query head) pid_bh."""
+    T, H, GROUP = sched[2], sched[3], sched[4]
     head = pid_bh % H
-    q_start = block * ROWS
     if IS_CAUSAL:
         n_blocks = gl.cdiv(gl.minimum(T, q_start + ROWS), BLOCK_N)
     else:
         n_blocks = gl.cdiv(T, BLOCK_N)
-    return exists, (pid_bh // H) * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks
+    return (pid_bh // H) * T, q_start, head, (head // GROUP) * HEAD_DIM, n_blocks
 
 
 @gluon.jit
-def _fwd_load(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """The producer warp, for each of the program's tiles: both halves' Q tiles, each into the half's
-    slot of the tile's parity once the tile two before has stored its O there, then K_j and V_j of every
-    key block into their rings, each slot refilled once both consumers have released it. The rings run on
-    across tiles, so the next tile's Q, K and V load while the consumers finish a tile."""
-    q_desc, k_desc, v_desc, o_desc = descs
-    q_smem, k_smem, v_smem = bufs
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+def _lane0_atomic_add(ptr, sem: gl.constexpr):
+    """Adds 1 to the int32 at ptr from lane 0 of the calling warp, with memory ordering ``sem``; returns the
+    value before in lane 0 of a (32,) tensor (:func:`_lane0`)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    return gl.atomic_add(ptr + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0, sem=sem)
+
+
+@gluon.jit
+def _lane0(values):
+    """Lane 0's element of a (32,) tensor over one warp, in every lane."""
+    lane = gl.arange(0, 32, layout=values.type.layout)
+    return gl.max(gl.where(lane == 0, values, 0), axis=0)
+
+
+@gluon.jit
+def _fwd_load_q(descs, bufs, bars, coords, tile_it, half: gl.constexpr):
+    """The producer: the tile's Q rows of consumer ``half`` into its slot of the tile's parity (free)."""
+    q_desc = descs[0]
+    q_ready = bars[0]
+    row0, q_start, head = coords[0], coords[1], coords[2]
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    pairs = sched[5]
-    kv_it = 0
-    tile_it = 0
-    for k in range(2 * pairs):
-        exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
-        if exists:
-            for half in gl.static_range(2):
-                q_slot = 2 * (tile_it % 2) + half
-                # a fresh mbarrier passes a wait for phase 1
-                mbarrier.wait(q_empty.index(q_slot), ((tile_it // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-                tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_ready.index(q_slot),
-                         q_smem.index(q_slot))
-            for j in range(n_blocks):
-                slot = (kv_it + j) % STAGES
-                free = (((kv_it + j) // STAGES) & 1) ^ 1
-                mbarrier.wait(k_empty.index(slot), free)
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), free)
-                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
-            kv_it += n_blocks
-            tile_it += 1
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    q_slot = 2 * (tile_it % 2) + half
+    mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+    tma_load(q_desc, [row0 + q_start + half * HALF_M, head * HEAD_DIM], q_ready.index(q_slot),
+             bufs[0].index(q_slot))
 
 
 @gluon.jit
-def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One consumer warpgroup, for each of the program's tiles: query rows [q_start + HALF * HALF_M,
-    + HALF_M) of the tile (:func:`_fwd_block_rows`), from the Q slot of the tile's parity, released once
-    its O is stored through it."""
-    q_ready, q_empty = bars[0], bars[1]
-    T, H, pairs = sched[2], sched[3], sched[5]
-    HALF_M: gl.constexpr = descs[0].block_type.shape[0]
+def _fwd_wait_q_free(bars, tile_it, half: gl.constexpr):
+    """The producer: until consumer ``half`` is done with the tile two before (a fresh mbarrier passes a wait
+    for phase 1)."""
+    mbarrier.wait(bars[1].index(2 * (tile_it % 2) + half), ((tile_it // 2) & 1) ^ 1)
+
+
+@gluon.jit
+def _fwd_load_kv(descs, bufs, bars, coords, kv_it):
+    """The producer: K_j and V_j of every key block of the tile into their rings, each slot refilled once both
+    consumers have released it."""
+    k_desc, v_desc = descs[1], descs[2]
+    k_smem, v_smem = bufs[1], bufs[2]
+    k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
+    row0, kv_col, n_blocks = coords[0], coords[3], coords[4]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    for j in range(n_blocks):
+        slot = (kv_it + j) % STAGES
+        free = (((kv_it + j) // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row0 + j * BLOCK_N, kv_col], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row0 + j * BLOCK_N, kv_col], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _fwd_load(descs, bufs, bars, sched, counter_ptr, IS_CAUSAL: gl.constexpr):
+    """The producer warp, for each of the program's tiles: both halves' Q tiles into the slots of the tile's
+    parity, once the tile two before has stored its O there, then its K and V blocks (:func:`_fwd_load_kv`).
+    The rings run on across tiles, so the next tile's Q, K and V load while the consumers finish a tile.
+
+    Three buffers (:func:`_attn_fwd_sm90`): the static schedule (:func:`_fwd_pair_tile`). Four (the fourth the tile
+    slots, :func:`_attn_fwd_sm90_dynamic`): tiles handed out dynamically (:func:`_fwd_listed_tile`). A program's
+    first tile is its program id, each next one the count an atomic add on counter_ptr[0] returns plus the number
+    of programs (taken while the tile before loads); each tile's number goes to the consumers through the tile
+    slot of its parity (:func:`_fwd_hand_out`); past the last tile, the number n_tiles tells them to stop, and
+    the last program to stop sets counter_ptr[0] and counter_ptr[1] (programs stopped) back to 0 for the next
+    launch."""
+    ROWS: gl.constexpr = 2 * descs[0].block_type.shape[0]
+    BLOCK_N: gl.constexpr = descs[1].block_type.shape[0]
+    HEAD_DIM: gl.constexpr = descs[1].block_type.shape[1]
     kv_it = 0
     tile_it = 0
-    for k in range(2 * pairs):
-        exists, row0, q_start, head, kv_col, n_blocks = _fwd_tile(k, sched, IS_CAUSAL, 2 * HALF_M, BLOCK_N, HEAD_DIM)
-        if exists:
-            q_slot = 2 * (tile_it % 2) + HALF
-            mbarrier.wait(q_ready.index(q_slot), (tile_it // 2) & 1)
-            _fwd_block_rows(descs, bufs, bars, (row0, q_start + HALF * HALF_M, head, n_blocks, kv_it, T, H, q_slot),
-                            o_ptr, lse_ptr, qk_scale, HALF, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)
-            mbarrier.arrive(q_empty.index(q_slot), count=1)
-            kv_it += n_blocks
+    if len(bufs) == 3:  # the static schedule
+        for k in range(2 * sched[5]):
+            exists, coords = _fwd_pair_tile(k, sched, IS_CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+            if exists:
+                for half in gl.static_range(2):
+                    _fwd_wait_q_free(bars, tile_it, half)
+                    _fwd_load_q(descs, bufs, bars, coords, tile_it, half)
+                _fwd_load_kv(descs, bufs, bars, coords, kv_it)
+                kv_it += coords[4]
+                tile_it += 1
+    else:
+        n_tiles = sched[6]
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        while tile < n_tiles:
+            # relaxed: an acquire would hold this warp's loads until the add returns; read at the end of the tile
+            following = _lane0_atomic_add(counter_ptr, "relaxed")
+            coords = _fwd_listed_tile(tile, sched, IS_CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+            _fwd_hand_out(tile, tile_it, bufs, bars)
+            for half in gl.static_range(2):
+                _fwd_load_q(descs, bufs, bars, coords, tile_it, half)
+            _fwd_load_kv(descs, bufs, bars, coords, kv_it)
+            kv_it += coords[4]
             tile_it += 1
+            tile = programs + _lane0(following)
+        _fwd_hand_out(n_tiles, tile_it, bufs, bars)
+        for half in gl.static_range(2):
+            mbarrier.arrive(bars[0].index(2 * (tile_it % 2) + half), count=1)
+        if _lane0(_lane0_atomic_add(counter_ptr + 1, "acq_rel")) == programs - 1:  # after this program's last add
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+            lane = gl.arange(0, 32, layout=layout)
+            gl.atomic_xchg(counter_ptr + lane, gl.zeros([32], gl.int32, layout), mask=lane < 2)
+
+
+@gluon.jit
+def _fwd_hand_out(tile, tile_it, bufs, bars):
+    """The producer, dynamic schedule: once both consumers are done with the tile two before, writes the number
+    of its tile_it-th tile into the tile slot of that parity, where the consumers read it once its Q slots are
+    ready (:func:`_fwd_take`)."""
+    for half in gl.static_range(2):
+        _fwd_wait_q_free(bars, tile_it, half)
+    bufs[3].index(tile_it % 2).store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    partition_barrier()  # every lane's store before the one that arrives on the Q slots' mbarriers
+
+
+@gluon.jit
+def _fwd_take(tile_it, bufs, bars, HALF: gl.constexpr):
+    """A consumer, dynamic schedule: the number of its program's tile_it-th tile, once its Q slot is ready."""
+    mbarrier.wait(bars[0].index(2 * (tile_it % 2) + HALF), (tile_it // 2) & 1)
+    return gl.max(bufs[3].index(tile_it % 2).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One consumer warpgroup, for each of its program's tiles (:func:`_fwd_load`'s schedule): query rows
+    [q_start + HALF * HALF_M, + HALF_M) of the tile (:func:`_fwd_block_rows`), from the Q slot of the tile's
+    parity, released once its O is stored through it."""
+    q_ready, q_empty = bars[0], bars[1]
+    ROWS: gl.constexpr = 2 * descs[0].block_type.shape[0]
+    BLOCK_N: gl.constexpr = descs[1].block_type.shape[0]
+    HEAD_DIM: gl.constexpr = descs[1].block_type.shape[1]
+    kv_it = 0
+    tile_it = 0
+    if len(bufs) == 3:  # the static schedule
+        for k in range(2 * sched[5]):
+            exists, coords = _fwd_pair_tile(k, sched, IS_CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+            if exists:
+                q_slot = 2 * (tile_it % 2) + HALF
+                mbarrier.wait(q_ready.index(q_slot), (tile_it // 2) & 1)
+                _fwd_tile_rows(descs, bufs, bars, coords, kv_it, q_slot, sched, o_ptr, lse_ptr, qk_scale, HALF,
+                               IS_CAUSAL)
+                mbarrier.arrive(q_empty.index(q_slot), count=1)
+                kv_it += coords[4]
+                tile_it += 1
+    else:
+        n_tiles = sched[6]
+        tile = _fwd_take(tile_it, bufs, bars, HALF)
+        while tile < n_tiles:
+            coords = _fwd_listed_tile(tile, sched, IS_CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+            q_slot = 2 * (tile_it % 2) + HALF
+            _fwd_tile_rows(descs, bufs, bars, coords, kv_it, q_slot, sched, o_ptr, lse_ptr, qk_scale, HALF,
+                           IS_CAUSAL)
+            mbarrier.arrive(q_empty.index(q_slot), count=1)
+            kv_it += coords[4]
+            tile_it += 1
+            tile = _fwd_take(tile_it, bufs, bars, HALF)
+
+
+@gluon.jit
+def _fwd_tile_rows(descs, bufs, bars, coords, kv_it, q_slot, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr):
+    """A consumer's half of the tile at coords (:func:`_fwd_coords`) from Q slot q_slot (:func:`_fwd_block_rows`)."""
+    HALF_M: gl.constexpr = descs[0].block_type.shape[0]
+    _fwd_block_rows(descs, bufs, bars, (coords[0], coords[1] + HALF * HALF_M, coords[2], coords[4], kv_it, sched[2],
+                                        sched[3], q_slot),
+                    o_ptr, lse_ptr, qk_scale, HALF, IS_CAUSAL, descs[1].block_type.shape[1],
+                    descs[1].block_type.shape[0], bufs[1].type.shape[0])
 
 
 @gluon.jit
@@ -247,7 +397,7 @@ def _fwd_block_rows(descs, bufs, bars, block, o_ptr, lse_ptr, qk_scale, HALF: gl
     as soon as its wgmma is done. kv_it: the rings' blocks consumed before this tile. The two consumers
     run unsynchronised, so one's softmax overlaps the other's matmuls. O and lse out at the end."""
     q_desc, k_desc, v_desc, o_desc = descs
-    q_smem, k_smem, v_smem = bufs
+    q_smem, k_smem, v_smem = bufs[0], bufs[1], bufs[2]
     k_ready, k_empty, v_ready, v_empty = bars[2], bars[3], bars[4], bars[5]
     row0, m_start, head, n_blocks, kv_it, T, H, q_slot = block
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -319,62 +469,44 @@ def _fwd_block_rows(descs, bufs, bars, block, o_ptr, lse_ptr, qk_scale, HALF: gl
 
 
 @gluon.jit
-def _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr):
-    """A consumer partition; its tiles come from the descriptors' and buffers' shapes (a partition's
-    arguments pass no constexprs)."""
-    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, HALF, IS_CAUSAL,
-                 descs[1].block_type.shape[1], descs[1].block_type.shape[0], bufs[1].type.shape[0])
+def _fwd_lo_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, True)
 
 
 @gluon.jit
-def _fwd_loader(descs, bufs, bars, sched, IS_CAUSAL: gl.constexpr):
-    _fwd_load(descs, bufs, bars, sched, IS_CAUSAL, descs[1].block_type.shape[1], descs[1].block_type.shape[0],
-              bufs[1].type.shape[0])
+def _fwd_hi_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, True)
 
 
 @gluon.jit
-def _fwd_lo_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, True)
+def _fwd_load_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_load(descs, bufs, bars, sched, counter_ptr, True)
 
 
 @gluon.jit
-def _fwd_hi_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, True)
+def _fwd_lo_full(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, False)
 
 
 @gluon.jit
-def _fwd_load_causal(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_loader(descs, bufs, bars, sched, True)
+def _fwd_hi_full(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_compute(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, False)
 
 
 @gluon.jit
-def _fwd_lo_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 0, False)
+def _fwd_load_full(descs, bufs, bars, sched, o_ptr, lse_ptr, counter_ptr, qk_scale):
+    _fwd_load(descs, bufs, bars, sched, counter_ptr, False)
 
 
 @gluon.jit
-def _fwd_hi_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_partition(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale, 1, False)
-
-
-@gluon.jit
-def _fwd_load_full(descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale):
-    _fwd_loader(descs, bufs, bars, sched, False)
-
-
-@gluon.jit
-def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROUP, PAIRS, STRIDE, qk_scale,
-                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   STAGES: gl.constexpr):
-    """The persistent warp-specialised forward: a producer warp (TMA) and two consumer warpgroups of
-    q_desc's HALF_M rows each (the default partition and one worker). A tile: 2 * HALF_M query rows of one
-    (batch, query head); a program takes PAIRS pairs of tiles, STRIDE pairs apart (:func:`_fwd_tile`).
-    o_desc and o_ptr: the same output (B, T, H, D), contiguous."""
+def _fwd_buffers(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """The forward's shared memory: Q slots (2 tiles' parity x 2 halves of HALF_M rows), the K and V rings of
+    STAGES slots, and their mbarriers (ready / empty, both consumers releasing a K or V slot)."""
     HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    n_m = gl.cdiv(T, 2 * HALF_M)
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], q_desc.layout)  # 2 tiles' parity x 2 halves
+    q_smem = gl.allocate_shared_memory(dtype, [4, HALF_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -389,19 +521,51 @@ def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROU
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    descs = (q_desc, k_desc, v_desc, o_desc)
-    bufs = (q_smem, k_smem, v_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-    sched = (n_m, B * H, T, H, GROUP, PAIRS, STRIDE)
-    worker_args = (descs, bufs, bars, sched, o_ptr, lse_ptr, qk_scale)
+    return (q_smem, k_smem, v_smem), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+
+
+@gluon.jit
+def _fwd_partitions(worker_args, IS_CAUSAL: gl.constexpr):
+    """Runs the forward's two consumer warpgroups (the default partition and one worker, 240 registers) and its
+    producer warp (24) on worker_args."""
     if IS_CAUSAL:
         gl.warp_specialize([(_fwd_lo_causal, worker_args), (_fwd_hi_causal, worker_args),
                             (_fwd_load_causal, worker_args)], [4, 1], [240, 24])
     else:
         gl.warp_specialize([(_fwd_lo_full, worker_args), (_fwd_hi_full, worker_args),
                             (_fwd_load_full, worker_args)], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _attn_fwd_sm90(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, B, T, H, GROUP, PAIRS, STRIDE, qk_scale,
+                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """The warp-specialised forward on the static schedule: a producer warp (TMA) and two consumer warpgroups of
+    q_desc's HALF_M rows each. A tile: 2 * HALF_M query rows of one (batch, query head); a program takes PAIRS
+    pairs of tiles, STRIDE pairs apart (:func:`_fwd_pair_tile`). o_desc and o_ptr: the same output
+    (B, T, H, D), contiguous."""
+    bufs, bars = _fwd_buffers(q_desc, k_desc, v_desc, STAGES)
+    sched = (gl.cdiv(T, 2 * q_desc.block_type.shape[0]), B * H, T, H, GROUP, PAIRS, STRIDE)
+    _fwd_partitions(((q_desc, k_desc, v_desc, o_desc), bufs, bars, sched, o_ptr, lse_ptr, lse_ptr, qk_scale),
+                    IS_CAUSAL)
+
+
+@gluon.jit(do_not_specialize=["SECTION"])  # triton 3.6 fails to lower the kernel with SECTION = 1 made a constant
+def _attn_fwd_sm90_dynamic(q_desc, k_desc, v_desc, o_desc, o_ptr, lse_ptr, counter_ptr, B, T, H, GROUP, SECTION,
+                           qk_scale, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           STAGES: gl.constexpr):
+    """:func:`_attn_fwd_sm90` with single tiles handed out as programs free (one program per SM), in the order of
+    :func:`_fwd_listed_tile` with sections of SECTION heads. counter_ptr: two int32 zeros, zeros again after the
+    launch (:func:`_fwd_load`). The tile slot that carries each tile's number to the consumers is the fourth
+    buffer."""
+    n_m = gl.cdiv(T, 2 * q_desc.block_type.shape[0])
+    bufs, bars = _fwd_buffers(q_desc, k_desc, v_desc, STAGES)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sched = (n_m, B * H, T, H, GROUP, SECTION, n_m * B * H)
+    _fwd_partitions(((q_desc, k_desc, v_desc, o_desc), (bufs[0], bufs[1], bufs[2], tile_smem), bars, sched, o_ptr,
+                     lse_ptr, counter_ptr, qk_scale), IS_CAUSAL)
 
 
 @gluon.jit
@@ -747,11 +911,13 @@ def _bwd_dq_out(acc_ptr, dq_ptr, DQ_ROW, H, n_rows, sm_scale, HEAD_DIM: gl.const
 
 
 # each kernel's launches: a call like an earlier one replays its binary (launch.py)
-FWD, DKDV, DELTA, DQ_OUT = map(Replay, (_attn_fwd_sm90, _attn_bwd_dkdv_sm90, _bwd_delta, _bwd_dq_out))
+FWD, FWD_DYNAMIC, DKDV, DELTA, DQ_OUT = map(Replay, (_attn_fwd_sm90, _attn_fwd_sm90_dynamic, _attn_bwd_dkdv_sm90,
+                                                    _bwd_delta, _bwd_dq_out))
 
 
 def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> str:
-    """The PTX of the forward (kernel "fwd"), the backward's dK/dV kernel ("bwd") or that kernel adding dQ too
+    """The PTX of the forward (kernel "fwd"; "fwd_dynamic" with tiles handed out dynamically), the backward's dK/dV
+    kernel ("bwd") or that kernel adding dQ too
     ("bwd_dq") compiled for sm90a at the launch's tiles, without a GPU (Gluon has no interpreter: this is how a CPU
     checks them). dtype: "bf16" or "fp16". Needs TRITON_INTERPRET unset when triton was imported (its library
     functions are interpreted otherwise)."""
@@ -765,9 +931,9 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         layout = gl.NVMMASharedLayout.get_default_for([rows, cols], of)
         return f"tensordesc<{name}[{rows}, {cols}],{layout!r}>"
 
-    if kernel == "fwd":
-        fn, rows_q, rows_kv = _attn_fwd_sm90, FWD_HALF_M, FWD_BLOCK_N
-        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
+    if kernel in ("fwd", "fwd_dynamic"):
+        fn, rows_q, rows_kv = (_attn_fwd_sm90 if kernel == "fwd" else _attn_fwd_sm90_dynamic), FWD_HALF_M, FWD_BLOCK_N
+        pointers = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", **({"counter_ptr": "*i32"} if kernel != "fwd" else {})}
         scalars = {"qk_scale": "fp32"}
         constexprs = {"IS_CAUSAL": causal, "BLOCK_N": rows_kv, "HEAD_DIM": head_dim, "STAGES": FWD_STAGES}
     else:
@@ -776,14 +942,14 @@ def compile_for_sm90(kernel: str, head_dim: int, dtype: str, causal: bool) -> st
         scalars = {"sm_scale": "fp32"}
         constexprs = {"IS_CAUSAL": causal, "STAGES": BWD_STAGES, "WITH_DQ": kernel == "bwd_dq"}
     descriptors = {"q_desc": descriptor(rows_q), "k_desc": descriptor(rows_kv), "v_desc": descriptor(rows_kv)}
-    if kernel == "fwd":
+    if kernel.startswith("fwd"):
         descriptors["o_desc"] = descriptor(rows_q)
-    if kernel != "fwd":
+    else:
         descriptors["do_desc"] = descriptor(rows_q)
         descriptors["k_desc"] = descriptor(2 * rows_kv)
         descriptors["dq_desc"] = descriptor(rows_q, "fp32", gl.float32, head_dim // 2)
-    sizes = (("B", "T", "H", "GROUP", "PAIRS", "STRIDE") if kernel == "fwd"
-             else ("DKV_ROW", "T", "H", "GROUP", "SECTION"))
+    sizes = {"fwd": ("B", "T", "H", "GROUP", "PAIRS", "STRIDE"), "fwd_dynamic": ("B", "T", "H", "GROUP", "SECTION")}.get(
+        kernel, ("DKV_ROW", "T", "H", "GROUP", "SECTION"))
     signature = {**descriptors, **pointers, **{name: "i32" for name in sizes}, **scalars,
                  **{key: "constexpr" for key in constexprs}}
     source = GluonASTSource(fn, signature, constexprs)
@@ -852,19 +1018,43 @@ def shared_layout(rows: int, cols: int, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], element)
 
 
-def fwd_schedule(T: int, head_dim: int, causal: bool, n_heads: int, n_sms: int) -> tuple[tuple[int, int], int, int]:
-    """The forward's grid over n_heads (batch, query head) pairs of T queries, the block pairs each program
-    takes and the stride between them (:func:`_fwd_tile`): where a pair's key blocks times head_dim are at most
-    ``FWD_PERSISTENT_MAX_WORK``, at most one program per SM, taking pairs p, p + programs, ...; otherwise a
-    program per ``FWD_HEADS`` heads' pairs of one place (one head where that would leave fewer than
-    ``FWD_MIN_WAVES`` programs per SM)."""
+def fwd_schedule(T: int, head_dim: int, causal: bool, group: int, element_size: int, n_heads: int,
+                 n_sms: int) -> tuple[tuple[int, int], int, int, int]:
+    """The forward's grid over n_heads (batch, query head)s of T queries (``group`` of them to a KV head), the
+    block pairs each program takes, the stride between them and the section (0: :func:`_attn_fwd_sm90`'s static
+    schedule; else :func:`_attn_fwd_sm90_dynamic`'s). Where a
+    pair's key blocks times head_dim are at most ``FWD_PERSISTENT_MAX_WORK``, one program per SM at most: taking
+    pairs p, p + programs, ... where that keeps the SMs at least ``FWD_STATIC_FILL`` busy, else single tiles as
+    they free, in sections: the fewest whose heads' K and V fit ``FWD_SECTION_BYTES``, as even as that count
+    allows. Otherwise a program per ``FWD_HEADS`` heads' pairs of one place (one head where that would leave
+    fewer than ``FWD_MIN_WAVES`` programs per SM)."""
     n_m = -(-T // (2 * FWD_HALF_M))
     n_pairs = -(-n_m // 2)
     if (n_m + 1 if causal else 2 * n_m) * head_dim <= FWD_PERSISTENT_MAX_WORK:
         programs = min(n_pairs * n_heads, n_sms)
-        return (programs, 1), -(-n_pairs * n_heads // programs), programs
+        rounds = -(-n_pairs * n_heads // programs)
+        if n_pairs * n_heads >= FWD_STATIC_FILL * programs * rounds:
+            return (programs, 1), rounds, programs, 0
+        head_bytes = max(1, 2 * T * head_dim * element_size // group)
+        sections = -(-n_heads // max(1, FWD_SECTION_BYTES // head_bytes))
+        return (min(n_m * n_heads, n_sms), 1), 0, 0, -(-n_heads // sections)
     heads = FWD_HEADS if n_pairs * -(-n_heads // FWD_HEADS) >= FWD_MIN_WAVES * n_sms else 1
-    return (n_pairs, -(-n_heads // heads)), heads, n_pairs
+    return (n_pairs, -(-n_heads // heads)), heads, n_pairs, 0
+
+
+def tile_counter(device):
+    """Two int32 zeros for the forward's hand-out of tiles (:func:`_fwd_load`), which leaves them zero: one pair
+    per (device, stream), whose launches run one after another; a new pair for each launch that a CUDA graph
+    captures, since a graph may be replayed on any stream."""
+    import torch
+
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
@@ -880,12 +1070,18 @@ def attn_fwd_sm90(q, k, v, softmax_scale: float, causal: bool):
     lse = q.new_empty((B, H, T), dtype=torch.float32)
     if B * T == 0:
         return o, lse
-    grid, pairs, stride = fwd_schedule(T, D, causal, B * H, gpu_resources(q.device).sms)
-    FWD.launch(grid, (descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
-                      descriptor(o, FWD_HALF_M), o, lse),
-               (B, T, H, H // k.shape[2], pairs, stride, softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D,
-                FWD_STAGES),
-               num_warps=4, maxnreg=WS_MAXNREG)
+    group = H // k.shape[2]
+    grid, pairs, stride, section = fwd_schedule(T, D, causal, group, q.element_size(), B * H,
+                                                gpu_resources(q.device).sms)
+    descriptors = (descriptor(q, FWD_HALF_M), descriptor(k, FWD_BLOCK_N), descriptor(v, FWD_BLOCK_N),
+                   descriptor(o, FWD_HALF_M))
+    scale_and_tiles = (softmax_scale * LOG2E, bool(causal), FWD_BLOCK_N, D, FWD_STAGES)
+    if section:
+        FWD_DYNAMIC.launch(grid, (*descriptors, o, lse, tile_counter(q.device)),
+                           (B, T, H, group, section, *scale_and_tiles), num_warps=4, maxnreg=WS_MAXNREG)
+    else:
+        FWD.launch(grid, (*descriptors, o, lse), (B, T, H, group, pairs, stride, *scale_and_tiles), num_warps=4,
+                   maxnreg=WS_MAXNREG)
     return o, lse
 
 
