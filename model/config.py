@@ -40,6 +40,7 @@ class ModelConfig:
     value_embeds: int = 0  # k > 0: k token tables mixed into V of the first k and the last k blocks (modded-nanogpt)
     skips: str = "none"  # unet: block n_layer-1-i's input gains a learned weight times block i's output, i < n_layer/2
     activation_checkpointing: bool = False
+    recompute_attention: bool = False  # with activation_checkpointing: also recompute flash's or sdpa's kernels (their output is kept otherwise)
     loss_chunk: int = 4096  # rows of logits the loss makes at a time: more is faster, costs chunk x vocab memory
     init_from: Optional[str] = None  # start from these weights: a Hugging Face GPT-2/Llama folder or hub name, or a nanoflash run folder or checkpoint (training/init_from.py)
 
@@ -95,6 +96,9 @@ def validate_model(cfg: ModelConfig) -> None:
     if not 0 <= cfg.value_embeds <= cfg.n_layer // 2:
         raise UserError(f"model.value_embeds={cfg.value_embeds} must be between 0 (none) and n_layer/2 = "
                         f"{cfg.n_layer // 2}: each table serves one of the first and one of the last blocks")
+    if cfg.recompute_attention and not cfg.activation_checkpointing:
+        raise UserError("model.recompute_attention=true acts on activation checkpointing's recompute: add "
+                        "model.activation_checkpointing=true or drop model.recompute_attention")
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise UserError(f"model.vocab_size={cfg.vocab_size} must be positive (or null to use the tokenizer's)")
 

@@ -12,13 +12,14 @@ The small-GPT recipe of modded-nanogpt is a set of switches of ModelConfig, each
 value_embeds and skips=unet (docs/RECIPE.md). QK-norm and the value embeddings act where q, k and
 v are made (``CausalSelfAttention.project``), so every backend, and the KV cache, see plain q, k and v.
 """
+import functools
 import math
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kernels.cross_entropy import capped_logits
 from model.attention import Attention
@@ -206,6 +207,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def checkpoint_options(kept_ops: Tuple, recompute: bool) -> dict:
+    """``checkpoint``'s options for a block under model.activation_checkpointing: every op of the block runs
+    again in the backward except the backend's attention kernels (``Attention.kept_ops``), whose output and
+    lse are kept (2 C + 4 H bytes a token and layer in bf16) rather than paying their O(T^2) work twice; with
+    ``recompute`` (model.recompute_attention) those run again too. The policy holds in eager and compiled
+    runs alike (left to itself, torch.compile keeps or recomputes a custom op by torch version)."""
+    if not kept_ops:
+        return {}
+    policy = functools.partial(_recompute_policy if recompute else _keep_policy, frozenset(kept_ops))
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+
+def _keep_policy(kept_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in kept_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_policy(kept_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE if op in kept_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class GPT(nn.Module):
     """Decoder-only transformer with GPT-2 initialisation, its head tied to the token embedding
     unless model.tie_embeddings=false.
@@ -226,6 +247,7 @@ class GPT(nn.Module):
                                           for _ in range(cfg.value_embeds))
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, attention, layer) for layer in range(cfg.n_layer))
+        self.checkpoint_options = checkpoint_options(attention.kept_ops, cfg.recompute_attention)
         # model.skips=unet: block n_layer-1-i's input gains skip_weights[i] times block i's output
         self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2)) if cfg.skips == "unet" else None
         self.ln_f = make_norm(cfg)
@@ -315,7 +337,7 @@ class GPT(nn.Module):
                 x = x + self.skip_weights[self.cfg.n_layer - 1 - layer] * skips.pop()
             ve = values[value_embedding_table(self.cfg, layer)] if block.attn.ve_mix is not None else None
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(block, x, rope, doc_ids, ve, use_reentrant=False)
+                x = checkpoint(block, x, rope, doc_ids, ve, use_reentrant=False, **self.checkpoint_options)
             else:
                 x = block(x, rope, doc_ids, ve, cache.layers[layer] if cache is not None else None)
             if layer < n_skips:

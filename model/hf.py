@@ -62,6 +62,7 @@ FIELDS: Dict[str, Field] = {
     "value_embeds": Field((0,), (0,), FOLDER),
     "skips": Field(("none",), ("none",), FOLDER),
     "activation_checkpointing": Field(ANY, ANY, FREE),
+    "recompute_attention": Field(ANY, ANY, FREE),
     "loss_chunk": Field(ANY, ANY, FREE),
     "init_from": Field(ANY, ANY, FREE),
 }

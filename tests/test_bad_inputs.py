@@ -172,6 +172,8 @@ VALIDATION_CASES = [  # values the schema accepts but validate() must reject
     pytest.param("model", "skips", "dense", "model.skips='dense' is not one of none, unet", id="unknown-skips"),
     pytest.param("model", "logit_softcap", 0.0, "model.logit_softcap=0.0 must be a positive number", id="zero-softcap"),
     pytest.param("model", "value_embeds", 2, "model.value_embeds=2 must be between 0 (none) and n_layer/2 = 1", id="ve-too-many"),
+    pytest.param("model", "recompute_attention", True, "model.recompute_attention=true acts on activation "
+                 "checkpointing's recompute: add model.activation_checkpointing=true", id="recompute-without-checkpoints"),
     pytest.param("optim", "name", "sgd", "optim='sgd' is not one of adamw, muon", id="unknown-optimizer-by-key"),
     pytest.param("optim", "muon_momentum", 1.0, "optim.muon_momentum=1.0 must be in [0, 1)", id="muon-momentum"),
     pytest.param("optim", "muon_coefficients", "cubic", "optim.muon_coefficients='cubic' is not one of polar_express, "

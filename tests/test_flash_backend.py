@@ -61,6 +61,49 @@ def test_flash_backend_matches_sdpa_in_the_model(model_kw, docs):
 
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_activation_checkpointing_keeps_the_kernels_output_unless_told_to_recompute(monkeypatch, compiled, recompute):
+    """A checkpointed block's backward runs its ops again but the kernel's forward, whose o and lse are kept,
+    in eager and compiled runs alike (left to itself, torch.compile kept it in torch 2.11 and ran it again in
+    2.14); model.recompute_attention=true runs it again. The gradients are those of the model without
+    checkpointing."""
+    from kernels.flash_attention import function
+
+    calls = []
+    attn_fwd = function.attn_fwd
+    monkeypatch.setattr(function, "attn_fwd", lambda *a, **kw: calls.append(1) or attn_fwd(*a, **kw))
+    plain = twin_models()["flash"]
+    model = twin_models(activation_checkpointing=True, recompute_attention=recompute)["flash"]
+    x = torch.randint(0, 128, (2, 40)).to(DEVICE)
+    for m in (plain, torch.compile(model) if compiled else model):
+        calls.clear()
+        m(x, x)[1].backward()
+    assert len(calls) == 2 * (2 if recompute else 1)  # two layers
+    torch.testing.assert_close(model.blocks[0].attn.c_attn.weight.grad, plain.blocks[0].attn.c_attn.weight.grad)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_activation_checkpointing_keeps_sdpa_kernels_output_unless_told_to_recompute(recompute):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.attention.sdpa import kept_ops
+
+    calls = []
+
+    class CountKernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in kept_ops():
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = twin_models(activation_checkpointing=True, recompute_attention=recompute)["sdpa"]
+    x = torch.randint(0, 128, (2, 40)).to(DEVICE)
+    with CountKernels():
+        model(x, x)[1].backward()
+    assert len(calls) == 2 * (2 if recompute else 1) and set(calls) <= set(kept_ops())
+
+
 def test_the_model_hands_flash_the_unsplit_projection_unless_rope_changes_q_and_k(monkeypatch):
     """Without RoPE the layer calls the packed kernel (one gradient for qkv, no concatenation)."""
     from model.attention import flash

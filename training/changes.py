@@ -42,6 +42,7 @@ KINDS: Dict[str, str] = {
     "model.gate_bias_init": MEANING,  # the weights the run started from
     "model.init_from": MEANING,  # the weights the run started from
     "model.activation_checkpointing": FREE,  # the same function, recomputed
+    "model.recompute_attention": FREE,  # the same function, its attention kept or recomputed
     "model.loss_chunk": FREE,
     "attention.name": FREE,  # every backend computes the same attention
     "attention.block_size": FREE,

@@ -59,6 +59,7 @@ class Backend:
     devices: Optional[Tuple[str, ...]] = None  # the device types it runs on (None: any torch device)
     unavailable: Optional[str] = None  # device -> why it cannot run there ("" when it can); default: ``devices``
     fallback: Optional[str] = None  # what runs instead where it cannot (a warning; attention.strict=true fails)
+    kept: Optional[str] = None  # its attention ops, whose outputs activation checkpointing keeps (kept_ops)
 
     @property
     def options(self) -> Tuple[str, ...]:
@@ -71,10 +72,12 @@ BACKENDS: Dict[str, Backend] = {backend.name: backend for backend in (
     Backend("naive", "model.attention.naive:attend", ring_step="model.attention.ring_steps:NAIVE", **ALL_FEATURES),
     Backend("hybrid", "model.attention.hybrid:attend", tunes=("block_size",), **ALL_FEATURES),
     Backend("tiled", "model.attention.tiled:attend", **ALL_FEATURES),
-    Backend("sdpa", "model.attention.sdpa:attend", ring_step="model.attention.ring_steps:SDPA", **ALL_FEATURES),
+    Backend("sdpa", "model.attention.sdpa:attend", ring_step="model.attention.ring_steps:SDPA",
+            kept="model.attention.sdpa:kept_ops", **ALL_FEATURES),
     Backend("flash", "model.attention.flash:attend", packed="model.attention.flash:attend_packed",
             ring_step="model.attention.ring_steps:FLASH", tunes=("kernel",), devices=("cuda",),
-            unavailable="kernels:flash_attn_unavailable", fallback="sdpa", **ALL_FEATURES),
+            unavailable="kernels:flash_attn_unavailable", fallback="sdpa", kept="model.attention.flash:kept_ops",
+            **ALL_FEATURES),
 )}
 
 
@@ -86,6 +89,10 @@ class Attention:
     attend: Callable
     packed: Optional[Callable] = None
     window: Optional[int] = None  # attention.window, bound into attend: what a KV cache's decode step must apply too
+    # the ops whose outputs activation checkpointing keeps rather than recomputes (model/gpt.py): the fused
+    # attention kernels, whose O(T^2) work would run again for O(T) bytes of output and lse; none for the
+    # backends written in PyTorch and for the ring (which would keep every step's output)
+    kept_ops: Tuple = ()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None, **options) -> torch.Tensor:
         return self.attend(q, k, v, doc_ids=doc_ids, **options)
@@ -183,7 +190,8 @@ def build_attention(cfg: AttentionConfig, device: torch.device,
     config_keys = {f.name for f in dataclasses.fields(AttentionConfig)}
     bound = {key: getattr(cfg, key) for key in backend.options if key in config_keys}
     packed = functools.partial(_load(backend.packed), **bound) if backend.packed else None
-    return Attention(name, functools.partial(_load(backend.attend), **bound), packed, cfg.window), name
+    kept_ops = _load(backend.kept)() if backend.kept else ()
+    return Attention(name, functools.partial(_load(backend.attend), **bound), packed, cfg.window, kept_ops), name
 
 
 def ring_attention_of(name: str, group: Optional[dist.ProcessGroup]) -> Attention:

@@ -76,3 +76,10 @@ def forward_kernel(kernel: str, device: torch.device, dtype: torch.dtype, n_head
     q = torch.empty(1, 1, n_head, head_dim, device=device, dtype=dtype).expand(1, seq_len, n_head, head_dim)
     k = torch.empty(1, 1, n_kv_head, head_dim, device=device, dtype=dtype).expand(1, seq_len, n_kv_head, head_dim)
     return kernel_choice(kernel, q, k, k, 0, None, 0.0, None)
+
+
+def kept_ops() -> tuple:
+    """The kernel's forward op, whose output and lse activation checkpointing keeps (``Attention.kept_ops``)."""
+    from kernels.flash_attention.function import flash_attn_fwd
+
+    return (flash_attn_fwd,)

@@ -56,3 +56,12 @@ def gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, do
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, dropout_p=dropout_p,
                                            enable_gqa=q.shape[2] != k.shape[2])
     return o.transpose(1, 2).to(q.dtype)
+
+
+def kept_ops() -> tuple:
+    """SDPA's fused kernels as aten ops (those this torch has), whose outputs activation checkpointing keeps
+    (``Attention.kept_ops``); its math path is a composite of matmuls and is recomputed."""
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable")
+    return tuple(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
