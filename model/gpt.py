@@ -13,6 +13,7 @@ value_embeds and skips=unet (docs/RECIPE.md). QK-norm and the value embeddings a
 v are made (``CausalSelfAttention.project``), so every backend, and the KV cache, see plain q, k and v.
 """
 import functools
+import logging
 import math
 from typing import Callable, NamedTuple, Optional, Tuple
 
@@ -217,6 +218,17 @@ def checkpoint_options(kept_ops: Tuple, recompute: bool) -> dict:
         return {}
     policy = functools.partial(_recompute_policy if recompute else _keep_policy, frozenset(kept_ops))
     return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+
+class _NoInPlaceOpsNotice(logging.Filter):
+    """torch.compile warns, once a process, that a checkpointed region with a ``context_fn`` must hold no in-place
+    ops: a block holds none, so the notice is dropped (every other record of that logger passes)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceOpsNotice())
 
 
 def _keep_policy(kept_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
