@@ -14,12 +14,14 @@ communication), i.e. what N=1 would cost if it went through the ring.
 
 The memory model (docs/CONTEXT_PARALLEL.md), per rank at batch 1 with N ranks per sequence:
 
-    peak(T, N) = 16 P(T) + C + (a + r [N > 1]) d T / N
+    peak(T, N) = 16 P(T) + C + (a + r [N > 1] + k [N = 1]) d T / N
 
 16 P(T): fp32 weights, gradients and AdamW's two moments of P(T) parameters (learned positions add
 T d of them); a d T / N: the activations of the rank's T / N tokens, a bytes per token and unit of
 width; r: the ring's own buffers in one layer's backward (key/value shards in flight, fp32 dq and
-dk/dv accumulators); C: what does not grow with T (the loss's chunk of logits). Given two or more
+dk/dv accumulators); k: under activation checkpointing without the ring, the attention output each
+layer keeps (flash and sdpa; model.recompute_attention=true keeps none); C: what does not grow with T
+(the loss's chunk of logits). Given two or more
 ``plain`` rows, a and C are fitted to them (least squares) and the model is printed against each
 measured row; the table of T = 32k..256k and N = 1, 2, 4, 8 then uses the fitted a. --memory-model
 prints that table from the defaults below, without a GPU. Options with -- are this script's; the
@@ -56,9 +58,10 @@ GIB = 2**30
 # what autograd keeps: per layer the fp32 residual (4) and, without checkpointing, its bf16 copies for
 # the matmuls (2 + 2), qkv (6), the attention output (2), the MLP's hidden before and after GELU (8 + 8).
 # The head adds the embeddings' fp32 sum and the loss's hidden-state gradient (16). With activation
-# checkpointing only the residual stays per layer, and one block is recomputed (36) with its
-# gradients (about 30) at a time.
+# checkpointing only the residual stays per layer (and, without the ring, KEPT_ATTENTION), and one block
+# is recomputed (36) with its gradients (about 30) at a time.
 SAVED_PER_LAYER, HEAD, RECOMPUTED_BLOCK = 36, 16, 66
+KEPT_ATTENTION = 2  # checkpointing, no ring: each layer keeps its attention kernel's bf16 output (model/gpt.py)
 RING = 40  # the ring's backward buffers of one layer: kv shard + arriving one (8), fp32 dq (4),
 #            fp32 dk/dv accumulator + arriving one (16), the step's outputs and the copies of a 2:1 block (12)
 MODEL_LENGTHS = (32768, 65536, 131072, 262144)
@@ -91,17 +94,24 @@ def default_per_token(cfg: ModelConfig) -> int:
     return SAVED_PER_LAYER * cfg.n_layer + HEAD
 
 
+def per_rank_extra(cfg: ModelConfig, n: int) -> int:
+    """r [N > 1] + k [N = 1]: the ring's buffers, or without the ring what checkpointing keeps of attention."""
+    if n > 1:
+        return RING
+    return KEPT_ATTENTION * cfg.n_layer if cfg.activation_checkpointing and not cfg.recompute_attention else 0
+
+
 def model_peak(cfg: ModelConfig, T: int, n: int, per_token: float, fixed: float) -> float:
-    """peak(T, N) in bytes: 16 P(T) + C + (a + r [N > 1]) d T / N."""
+    """peak(T, N) in bytes: 16 P(T) + C + (a + r [N > 1] + k [N = 1]) d T / N."""
     static = 16 * parameters(dataclasses.replace(cfg, block_size=T))
-    ring = RING if n > 1 else 0
-    return static + fixed + (per_token + ring) * cfg.n_embd * T / n
+    return static + fixed + (per_token + per_rank_extra(cfg, n)) * cfg.n_embd * T / n
 
 
 def fit_memory(cfg: ModelConfig, rows) -> tuple:
-    """(a, C) by least squares over measured rows: peak - 16 P(T) = a d T + C."""
+    """(a, C) by least squares over measured rows (N = 1): peak - 16 P(T) - k d T = a d T + C."""
     xs = [cfg.n_embd * r["T"] for r in rows]
-    ys = [r["peak_gib"] * GIB - 16 * parameters(dataclasses.replace(cfg, block_size=r["T"])) for r in rows]
+    ys = [r["peak_gib"] * GIB - 16 * parameters(dataclasses.replace(cfg, block_size=r["T"]))
+          - per_rank_extra(cfg, 1) * cfg.n_embd * r["T"] for r in rows]
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return slope, mean_y - slope * mean_x
@@ -118,7 +128,7 @@ def model_table(cfg: ModelConfig, per_token: float, fixed: float, source: str) -
     for T in MODEL_LENGTHS:
         cells = []
         for n in MODEL_RANKS:
-            activations = (per_token + (RING if n > 1 else 0)) * cfg.n_embd * T / n
+            activations = (per_token + per_rank_extra(cfg, n)) * cfg.n_embd * T / n
             cells.append(f"{model_peak(cfg, T, n, per_token, fixed) / GIB:.1f} ({activations / GIB:.1f})")
         lines.append(f"| {T:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -210,11 +210,15 @@ def test_bench_runs_the_plain_and_the_ring_path_to_the_same_losses(tmp_path, cap
     assert "| 64 | ring |" in capsys.readouterr().out
 
 
-def test_the_memory_model_fit_recovers_its_own_constants():
+@pytest.mark.parametrize("checkpointing, kept", [(False, 0), (True, 2 * 2)], ids=["plain", "checkpointing"])
+def test_the_memory_model_fit_recovers_its_own_constants(checkpointing, kept):
+    """Under checkpointing one rank (no ring) keeps each layer's attention output too: 2 bytes a layer."""
     bench = load_bench()
-    cfg = ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128)
+    cfg = ModelConfig(name="t", n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=128,
+                      activation_checkpointing=checkpointing)
     rows = [{"T": T, "peak_gib": bench.model_peak(cfg, T, 1, 75.0, 3e8) / bench.GIB} for T in (1024, 2048, 4096)]
     a, c = bench.fit_memory(cfg, rows)
     assert a == pytest.approx(75.0) and c == pytest.approx(3e8)
     static = 16 * bench.parameters(dataclasses.replace(cfg, block_size=4096))
+    assert bench.model_peak(cfg, 4096, 1, 75.0, 0.0) - static == pytest.approx((75 + kept) * 32 * 4096)
     assert bench.model_peak(cfg, 4096, 2, 75.0, 0.0) - static == pytest.approx((75 + bench.RING) * 32 * 4096 / 2)
