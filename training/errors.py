@@ -13,7 +13,8 @@ from errors import UserError
 
 OUT_OF_MEMORY_ADVICE = (
     "Try a smaller trainer.batch_size with a larger trainer.grad_accum (same tokens per step), attention=flash "
-    "or hybrid instead of naive, model.activation_checkpointing=true, or a shorter model.block_size "
+    "or hybrid instead of naive, model.activation_checkpointing=true (then model.recompute_attention=true for less "
+    "still), or a shorter model.block_size "
     "(python -m scripts.fit finds what fits)"
 )
 CPU_MEMORY_ADVICE = (
