@@ -231,6 +231,8 @@ class _NoInPlaceOpsNotice(logging.Filter):
 logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceOpsNotice())
 
 
+# Two functions rather than one with the policy as an argument: dynamo tells compiled graphs apart by the function,
+# not by what a partial or closure binds, so a process that compiles both settings gets each its own graph.
 def _keep_policy(kept_ops: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in kept_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
