@@ -25,11 +25,11 @@ from gloo import on_gloo_ranks
 from model import GPT, ModelConfig
 from model.attention import build_attention
 from model.config import AttentionConfig
-from test_distributed import TORCHRUN, assert_same_curve, command, records, run
+from test_distributed import FORKED, TORCHRUN, assert_same_curve, command, records, run
 from training.config import validate
 from training.context_parallel import SequenceShard
 
-TORCHRUN_4 = [*TORCHRUN[:-1], "--nproc_per_node=4"]
+FORKED_4 = [*FORKED[:-1], "--nproc_per_node=4"]
 MOVING = ["optim.warmup_steps=2", "optim.lr=3e-3", "optim.schedule=constant"]  # a curve that moves at once, whatever max_steps
 CP2 = ["trainer.distributed=ddp", "trainer.context_parallel=2"]
 
@@ -98,9 +98,9 @@ def test_the_model_on_zigzag_shards_equals_the_model_on_whole_sequences(model_re
 def test_cp2_trains_like_one_process_and_its_checkpoint_resumes_with_and_without_it(tmp_path, data_cache):
     cp, cp_then_one, single = tmp_path / "cp", tmp_path / "cp-then-one", tmp_path / "single"
     extra = [*MOVING, "model.pos=rope", "trainer.batch_size=4"]
-    run(TORCHRUN, cp, data_cache, *CP2, *extra, "trainer.max_steps=12")
+    run(FORKED, cp, data_cache, *CP2, *extra, "trainer.max_steps=12")
     shutil.copytree(cp, cp_then_one)
-    proc = run(TORCHRUN, cp, data_cache, *CP2, *extra, "trainer.max_steps=18")
+    proc = run(FORKED, cp, data_cache, *CP2, *extra, "trainer.max_steps=18")
     assert proc.stdout.count("resuming from") == 1
     assert "over 2 ranks (1 data parallel x 2 context parallel" in proc.stdout
     proc = run([sys.executable], cp_then_one, data_cache, *extra, "trainer.max_steps=18")
@@ -113,14 +113,14 @@ def test_cp2_trains_like_one_process_and_its_checkpoint_resumes_with_and_without
 def test_cp2_with_naive_attention_and_learned_positions_trains_like_one_process(tmp_path, data_cache):
     extra = [*MOVING, "attention=naive", "trainer.batch_size=2", "trainer.grad_accum=1", "trainer.max_steps=4",
              "trainer.log_interval=1"]
-    run(TORCHRUN, tmp_path / "cp", data_cache, *CP2, *extra)
+    run(FORKED, tmp_path / "cp", data_cache, *CP2, *extra)
     run([sys.executable], tmp_path / "single", data_cache, *extra)
     assert_same_curve(records(tmp_path / "cp"), records(tmp_path / "single"))
 
 
 def test_dp2_by_cp2_on_four_ranks_under_fsdp_trains_like_one_process(tmp_path, data_cache):
     extra = [*MOVING, "trainer.max_steps=6"]
-    proc = run(TORCHRUN_4, tmp_path / "mesh", data_cache, "trainer.distributed=fsdp", "trainer.context_parallel=2",
+    proc = run(FORKED_4, tmp_path / "mesh", data_cache, "trainer.distributed=fsdp", "trainer.context_parallel=2",
                "trainer.batch_size=2", *extra)
     assert "8 sequences = 256 tokens/step over 4 ranks (2 data parallel x 2 context parallel" in proc.stdout
     run([sys.executable], tmp_path / "single", data_cache, "trainer.batch_size=4", *extra)

@@ -1,4 +1,5 @@
-"""Data parallel on CPU: two gloo processes under torchrun (DDP and FSDP2) train exactly like one process."""
+"""Data parallel on CPU: two gloo processes (DDP and FSDP2) train exactly like one process, and torchrun
+starts and stops them (the other tests fork the ranks: tests/forked_ranks.py)."""
 import json
 import os
 import signal
@@ -35,7 +36,10 @@ def records(run_dir):
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-TORCHRUN_1 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+# The ranks forked from one process that imported torch once (tests/forked_ranks.py): for the tests of what the
+# ranks compute; those of torchrun itself (signals, its errors) start TORCHRUN.
+FORKED = [sys.executable, str(REPO / "tests" / "forked_ranks.py"), "--nproc_per_node=2"]
+FORKED_1 = [*FORKED[:-1], "--nproc_per_node=1"]
 
 
 def assert_same_curve(a, b):
@@ -55,8 +59,8 @@ def single(tmp_path_factory, data_cache):
 
 def test_two_ranks_equal_one_process_with_the_same_global_batch_and_resume(tmp_path, data_cache, single):
     ddp = tmp_path / "ddp"
-    run(TORCHRUN, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=12")
-    proc = run(TORCHRUN, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=18")
+    run(FORKED, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=12")
+    proc = run(FORKED, ddp, data_cache, "trainer.distributed=ddp", "trainer.batch_size=4", "trainer.max_steps=18")
     assert proc.stdout.count("resuming from") == 1  # rank 0 speaks for both
     assert_same_curve(records(ddp), records(single))
     assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["step_0000012.pt", "step_0000018.pt"]
@@ -64,12 +68,12 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch_and_resume(tmp_p
 
 def test_fsdp_equals_one_process_and_resumes_its_sharded_checkpoint_on_another_world_size(tmp_path, data_cache, single):
     fsdp = tmp_path / "fsdp"
-    run(TORCHRUN, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=4", "trainer.max_steps=12")
+    run(FORKED, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=4", "trainer.max_steps=12")
     saved = fsdp / "checkpoints" / "step_0000012"
     assert (saved / ".metadata").is_file() and (saved / "meta.pt").is_file()
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank
     # One rank with twice the micro-batch sees the same global batches: the curve must go on unchanged.
-    proc = run(TORCHRUN_1, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=8", "trainer.max_steps=18")
+    proc = run(FORKED_1, fsdp, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=8", "trainer.max_steps=18")
     assert "resuming from" in proc.stdout
     assert_same_curve(records(fsdp), records(single))
     assert sorted(p.name for p in (fsdp / "checkpoints").iterdir()) == ["step_0000012", "step_0000018"]
@@ -82,7 +86,7 @@ def test_every_attention_backend_trains_under_ddp_and_fsdp(tmp_path, data_cache,
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot run the flash kernel on the CPU (a loop bound "
                     "computed with tl.minimum is not a 0-d scalar there); triton >= 3.7 runs it")
     env = dict(run_env(), TRITON_INTERPRET="1")  # flash runs our kernel in Triton's interpreter on the CPU
-    proc = run(TORCHRUN, tmp_path, data_cache, f"trainer.distributed={kind}", f"attention={backend}",
+    proc = run(FORKED, tmp_path, data_cache, f"trainer.distributed={kind}", f"attention={backend}",
                "attention.strict=true", "trainer.batch_size=2", "trainer.max_steps=3", "trainer.grad_accum=1", env=env)
     assert f"attention={backend}" in proc.stdout
     losses = [r["loss"] for r in records(tmp_path) if "loss" in r]
@@ -106,13 +110,13 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_and_the_run_resumes(tm
     saved = list_checkpoints(tmp_path)
     assert len(saved) == 1
     step = int(saved[0].name.split("_")[1].split(".")[0])
-    resumed = run(TORCHRUN, tmp_path, data_cache, *extra[:2], f"trainer.max_steps={step + 3}")
+    resumed = run(FORKED, tmp_path, data_cache, *extra[:2], f"trainer.max_steps={step + 3}")
     assert f"resuming from {saved[0]} (step {step})" in resumed.stdout
     assert records(tmp_path)[-1]["step"] == step + 3
 
 
 def test_a_sharded_checkpoint_samples_in_one_process_but_resumes_only_under_fsdp(tmp_path, data_cache):
-    run(TORCHRUN, tmp_path, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=2", "trainer.max_steps=6")
+    run(FORKED, tmp_path, data_cache, "trainer.distributed=fsdp", "trainer.batch_size=2", "trainer.max_steps=6")
     sample = subprocess.run([sys.executable, "-m", "scripts.sample", str(tmp_path / "checkpoints" / "step_0000006"),
                              "--tokens", "16", "--device", "cpu"], cwd=REPO, env=run_env(), capture_output=True,
                             text=True, timeout=120)
