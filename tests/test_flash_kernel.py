@@ -165,11 +165,11 @@ def run_launch_functions(c: Case, q, k, v, do, cu, gate, tiles: dict):
     return o, lse, [dq, dk, dv] + ([] if gate is None else [dg])
 
 
-def check_case(c: Case, seed: int = 0, tiles: dict | None = None) -> None:
+def check_case(c: Case, seed: int = 0, tiles: dict | None = None, kernel: str = "auto") -> None:
     """o, lse, dq, dk, dv (and dg) of ``c`` against the float64 reference (with the kernel's own
     dropout mask), within the error of the reference run in the inputs' precision (module
-    docstring). Through the public function, or with ``tiles`` the launch functions with those
-    configs."""
+    docstring). Through the public function (its ``kernel`` argument), or with ``tiles`` the launch
+    functions with those configs."""
     q, k, v, do, cu = make_inputs(c, seed)
     gate = make_gate(c, seed)
     kw = dict(causal=c.causal, softmax_scale=c.scale, window_size=c.window, cu_seqlens=cu)
@@ -180,7 +180,8 @@ def check_case(c: Case, seed: int = 0, tiles: dict | None = None) -> None:
         assert not inputs[0].is_contiguous() and all(not t.is_contiguous() for t in gated)
     mask = kernel_dropout_mask(c, seed, cu)
     if tiles is None:
-        o, lse = flash_attn(*inputs, return_lse=True, dropout_p=c.dropout, g=gated[0] if gated else None, **kw)
+        o, lse = flash_attn(*inputs, return_lse=True, dropout_p=c.dropout, g=gated[0] if gated else None,
+                            kernel=kernel, **kw)
         grads = torch.autograd.grad(o, inputs + gated, do)
     else:
         o, lse, grads = run_launch_functions(c, q, k, v, do, cu, gate, tiles)
