@@ -1,5 +1,5 @@
-"""Data parallel on CPU: two gloo processes (DDP and FSDP2) train exactly like one process, and torchrun
-starts and stops them (the other tests fork the ranks: tests/forked_ranks.py)."""
+"""Data parallel on CPU: two gloo processes (DDP and FSDP2) train exactly like one process. The ranks are
+forked from one process (tests/forked_ranks.py) but in the tests of torchrun itself (its signals, its errors)."""
 import json
 import os
 import signal
