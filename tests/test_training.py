@@ -44,7 +44,8 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run_exactly(tmp_path, dat
     """Run 20 steps; then, in a copy, drop the step-20 checkpoint and the records after step 10 are
     replayed from the step-10 checkpoint: every metric and the final weights must be bitwise equal.
     Dropout is on everywhere, attention probabilities included (the RNG state is in the checkpoint).
-    Uncaptured on a GPU: a captured step matches an eager one to rounding, not bitwise (test_cuda_graph.py)."""
+    Uncaptured on a GPU, as this test checks the checkpoint; test_cuda_graph.py compares captured runs
+    with uncaptured ones, under PyTorch's deterministic algorithms."""
     cfg = tiny_config(data_cache, device=device_for(backend), cuda_graph=False)
     cfg.model.attention_dropout = 0.3
     cfg.attention.name = backend
