@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, run_env
+from conftest import REPO, indexed, run_env, walk
 from model.attention import BACKENDS
 
 CPU = torch.device("cpu")
@@ -146,18 +146,49 @@ def test_bench_attention_gpu_options_fail_clearly_without_cuda(args, message, ca
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_fit_fails_clearly_without_cuda():
-    proc = run(["-m", "scripts.fit", "model=tiny"])
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+# Each refusal of a wrong argument, before any work: (module, arguments with {tmp} for a scratch folder, the
+# texts its stderr holds), all walked in one process. The ones that need the absence of a GPU (the
+# script stops at once) are left out on a GPU machine.
+NO_GPU = not torch.cuda.is_available()
+NEEDS_CUDA = ["needs a CUDA GPU", "bench_attention.py --device cpu"]
+REFUSALS = [
+    *[pytest.param("scripts." + script, ["--out", "{tmp}", "--shapes", shapes], ["argument --shapes", "B,H,T,D"],
+                   id=f"{script}-shapes={shapes}")
+      for script in ("bench_flash", "profile_flash") for shapes in ("16,12,1024", "16,12,x,64", "16,12,0,64", ";")],
+    *[pytest.param("scripts.bench_attention", ["--device", "cpu", "--backends", f"naive,{bad}"],
+                   [f"{bad!r} is not a mode or backend"], id=f"bench_attention-backends={bad}")
+      for bad in ("hybrid@", "hybrid@0", "hybrid@x", "tiledd")],
+    *[pytest.param("scripts.bench_decode", ["--out", "{tmp}", option, "1,x"], [option, "positive whole numbers"],
+                   id=f"bench_decode{option}") for option in
+      ("--batches", "--kernel-batches", "--lengths", "--sweep-batches", "--sweep-lengths")],
+    pytest.param("scripts.bench_flash", ["--gate", "--dropout", "0.1", "--out", "{tmp}"],
+                 ["--dropout and --gate are separate measurements"], id="bench_flash-one-mode-at-a-time"),
+    pytest.param("scripts.bench_flash", ["--out", "{tmp}"], ["bench_attention.py --preset anchors"],
+                 id="bench_flash-no-mode"),  # the speed against SDPA is bench_attention's
+] + ([
+    pytest.param("scripts.fit", ["model=tiny"], ["needs a CUDA GPU"], id="fit-no-cuda"),
+    pytest.param("scripts.bench_flash", ["--gate", "--out", "{tmp}"], NEEDS_CUDA, id="bench_flash--gate-no-cuda"),
+    pytest.param("scripts.bench_flash", ["--hopper", "--out", "{tmp}"], NEEDS_CUDA, id="bench_flash--hopper-no-cuda"),
+    pytest.param("scripts.profile_flash", ["--out", "{tmp}"], NEEDS_CUDA, id="profile_flash-no-cuda"),
+    pytest.param("scripts.bench_cross_entropy", [], ["needs a CUDA GPU", "tests/test_cross_entropy.py"],
+                 id="bench_cross_entropy-no-cuda"),
+    pytest.param("scripts.bench_decode", ["--out", "{tmp}", "--parts", "kernel"],
+                 ["needs a CUDA GPU", "tests/test_flash_decoding.py"], id="bench_decode-no-cuda"),
+] if NO_GPU else [])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("script", ["bench_flash.py --gate", "bench_flash.py --hopper", "profile_flash.py"])
-def test_gpu_only_kernel_scripts_fail_clearly_without_cuda(tmp_path, script):
-    proc = run(["-m", f"scripts.{script.split()[0].removesuffix('.py')}", *script.split()[1:], "--out", str(tmp_path)])
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "bench_attention.py --device cpu" in proc.stderr
-    assert "Traceback" not in proc.stderr
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """[exit status, stderr, stdout] of every REFUSALS case, walked in one process (conftest.walk)."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    return walk([[case.values[0], [a.format(tmp=tmp) for a in case.values[1]]] for case in REFUSALS])
+
+
+@pytest.mark.parametrize("case", indexed(REFUSALS))
+def test_a_wrong_argument_is_refused_in_one_line_with_status_2(refused, case):
+    code, stderr, _ = refused[case]
+    assert code == 2 and all(text in stderr for text in REFUSALS[case].values[2]), stderr
+    assert "Traceback" not in stderr
 
 
 def test_bench_flash_first_call_table_holds_each_shape_to_its_target():
@@ -235,36 +266,6 @@ def test_bench_flash_hopper_times_every_kernel_choice_cuda(tmp_path):
     assert proc.returncode == 0, proc.stderr
     row = json.loads((tmp_path / "hopper.json").read_text())["rows"][0]
     assert row["max_diff_vs_tl"] < 0.05 and all(row[k]["fwd_bwd_ms"] > row[k]["fwd_ms"] > 0 for k in ("gluon", "auto", "tl", "cudnn"))
-
-
-def test_bench_flash_takes_one_mode_at_a_time(tmp_path):
-    proc = run(["-m", "scripts.bench_flash", "--gate", "--dropout", "0.1", "--out", str(tmp_path)])
-    assert proc.returncode == 2 and "--dropout and --gate are separate measurements" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    proc = run(["-m", "scripts.bench_flash", "--out", str(tmp_path)])  # the speed against SDPA is bench_attention's
-    assert proc.returncode == 2 and "bench_attention.py --preset anchors" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_cross_entropy_benchmark_fails_clearly_without_cuda():
-    proc = run(["-m", "scripts.bench_cross_entropy"])
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_cross_entropy.py" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_decode_benchmark_fails_clearly_without_cuda(tmp_path):
-    proc = run(["-m", "scripts.bench_decode", "--out", str(tmp_path), "--parts", "kernel"])
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "tests/test_flash_decoding.py" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize("option", ["--batches", "--kernel-batches", "--lengths", "--sweep-batches", "--sweep-lengths"])
-def test_decode_benchmark_refuses_a_bad_size_list_in_one_line(tmp_path, option):
-    proc = run(["-m", "scripts.bench_decode", "--out", str(tmp_path), option, "1,x"])
-    assert proc.returncode == 2 and option in proc.stderr and "positive whole numbers" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_decode_benchmark_gives_transformers_our_weights():
@@ -347,8 +348,7 @@ def test_compare_runs_reads_a_multirun_of_compare_backends(tmp_path, data_cache)
                 f"hydra.sweep.dir={sweep}"], timeout=600)
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "cmp"
-    proc = run(["-m", "scripts.compare_runs", str(sweep), "--out", str(out)])
-    assert proc.returncode == 0, proc.stderr
+    load_script("compare_runs").main([str(sweep), "--out", str(out)])
     rows = list(csv.DictReader(open(out / "table.csv")))
     # One job per file of configs/attention/ (= per row of the backend table), in the sweep's (name) order.
     assert [r["backend"] for r in rows] == [f"{b} (ran sdpa)" if b == "flash" else b for b in sorted(BACKENDS)]
@@ -408,12 +408,6 @@ def test_bench_attention_takes_tiled_forced_hybrid_blocks_and_times_compilation(
     assert "# compiled hybrid at (B,H,T,D)=(1, 2, 40, 16), fwd+bwd: first call" in (tmp_path / "summary.md").read_text()
 
 
-@pytest.mark.parametrize("bad", ["hybrid@", "hybrid@0", "hybrid@x", "tiledd"])
-def test_bench_attention_rejects_unknown_backends(bad):
-    proc = run(["-m", "scripts.bench_attention", "--device", "cpu", "--backends", f"naive,{bad}"])
-    assert proc.returncode == 2 and f"{bad!r} is not a mode or backend" in proc.stderr
-
-
 def test_bench_attention_seed001_preset_picks_its_backends_and_compiles(monkeypatch, capsys):
     bench = load_script("bench_attention")
     monkeypatch.setattr(bench, "SEED001", [(1, 2, 24, 16)])  # the preset's GPU shapes take minutes on a CPU
@@ -424,14 +418,6 @@ def test_bench_attention_seed001_preset_picks_its_backends_and_compiles(monkeypa
     assert table[0][5:] == list(bench.SEED001_BACKENDS)
     assert [line.split(" at ")[0] for line in out.splitlines() if line.startswith("# compiled")] == \
         ["# compiled naive", "# compiled hybrid"] * 2  # as measured, then again in the summary
-
-
-@pytest.mark.parametrize("script", ["bench_flash.py", "profile_flash.py"])
-@pytest.mark.parametrize("shapes", ["16,12,1024", "16,12,x,64", "16,12,0,64", ";"])
-def test_a_wrong_shape_list_fails_in_one_line_naming_the_format(tmp_path, script, shapes):
-    proc = run(["-m", f"scripts.{script.removesuffix('.py')}", "--out", str(tmp_path), "--shapes", shapes])
-    assert proc.returncode == 2 and "argument --shapes" in proc.stderr and "B,H,T,D" in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_shape_lists_parse_into_b_h_t_d_tuples():
