@@ -1,8 +1,8 @@
 """Hydra's own flags work as in any Hydra app, and the early checks read the command line as Hydra does.
 
 `python train.py --help` / `--hydra-help` list the flags; each has a test here. The flags that run
-nothing are walked in one process (conftest.walk: ``FLAG_RUNS``); those that train or need their own
-folders run train.py in a subprocess each. The in-process tests call the checks train.py makes
+nothing are walked in one process (conftest.walk: ``FLAG_RUNS``, with the config folders it writes); those
+that train run train.py in a subprocess each. The in-process tests call the checks train.py makes
 before Hydra starts.
 """
 import json
@@ -27,11 +27,6 @@ def train_py(*args, timeout=120):
                           text=True, timeout=timeout)
 
 
-def printed_config(proc) -> dict:
-    assert proc.returncode == 0, proc.stderr
-    return yaml.safe_load(proc.stdout)
-
-
 INFO = [
     (None, ["Installed Hydra Plugins", "Config search path", "Defaults Tree", "Defaults List", "Config\n******"]),
     ("defaults", ["Defaults List"]),
@@ -47,6 +42,9 @@ FLAG_RUNS = {  # name: train.py's arguments ({tmp}: a folder of the walk)
     **{f"cfg {which}": ["--cfg", which, "model=tiny", "hydra.run.dir={tmp}/run"] for which, _ in CFG},
     "resolve": ["--cfg", "job", "--resolve", "model=tiny", "attention=naive"],
     "package": ["-c", "job", "--package", "trainer", "trainer.max_steps=9"],
+    "config name": ["-cd", "{tmp}/mine", "-cn", "mine", "--cfg", "job"],  # folders the fixture writes
+    "config dir": ["--config-dir", "{tmp}/mine", "--config-name", "train", "model=wide", "--cfg", "job"],
+    "config path": ["-cp", "{tmp}/configs", "model=deep", "--cfg", "job"],
     **{f"info {what}": ["--info", *([what] if what else [])] for what, _ in INFO},  # a bare --info is last
     **{flag: [flag] for flag, _ in HELP},
     "shell completion": ["--shell-completion", "install=bash"],
@@ -59,8 +57,19 @@ FLAG_RUNS = {  # name: train.py's arguments ({tmp}: a folder of the walk)
 def flag_runs(tmp_path_factory):
     """{name: (status, stderr, stdout)} of every FLAG_RUNS command, walked in one process, and the walk's folder."""
     tmp = tmp_path_factory.mktemp("flags")
+    write_config_folders(tmp)
     found = walk([[str(REPO / "train.py"), [a.format(tmp=tmp) for a in args]] for args in FLAG_RUNS.values()])
     return dict(zip(FLAG_RUNS, found)), tmp
+
+
+def write_config_folders(tmp):
+    """``tmp``/mine, a config folder with a primary config mine.yaml and a model only it has, wide; and
+    ``tmp``/configs, a copy of configs/ with a new model, deep."""
+    (tmp / "mine" / "model").mkdir(parents=True)
+    (tmp / "mine" / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\ntrainer:\n  max_steps: 7\n")
+    (tmp / "mine" / "model" / "wide.yaml").write_text("name: wide\nn_embd: 512\nn_head: 8\n")
+    shutil.copytree(REPO / "configs", tmp / "configs")
+    (tmp / "configs" / "model" / "deep.yaml").write_text("name: deep\nn_layer: 24\n")
 
 
 def flag_output(flag_runs, name: str) -> str:
@@ -98,21 +107,16 @@ def test_info_prints_what_hydra_knows(flag_runs, what, headings):
         assert "model/tiny" in printed  # experiment=cpu, added on a machine without a GPU, is in it
 
 
-def test_config_name_and_config_dir_choose_another_primary_config(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\ntrainer:\n  max_steps: 7\n")
-    (tmp_path / "model" / "wide.yaml").write_text("name: wide\nn_embd: 512\nn_head: 8\n")
-    cfg = printed_config(train_py("-cd", str(tmp_path), "-cn", "mine", "--cfg", "job"))
-    assert cfg["trainer"]["max_steps"] == 7
-    cfg = printed_config(train_py("--config-dir", str(tmp_path), "--config-name", "train", "model=wide", "--cfg", "job"))
-    assert cfg["model"]["name"] == "wide" and cfg["model"]["n_embd"] == 512  # a choice only the extra dir has
+def test_config_name_and_config_dir_choose_another_primary_config(flag_runs):
+    assert yaml.safe_load(flag_output(flag_runs, "config name"))["trainer"]["max_steps"] == 7
+    model = yaml.safe_load(flag_output(flag_runs, "config dir"))["model"]
+    assert model["name"] == "wide" and model["n_embd"] == 512  # a choice only the extra folder has
 
 
-def test_config_path_replaces_configs(tmp_path):
-    shutil.copytree(REPO / "configs", tmp_path / "configs")
-    (tmp_path / "configs" / "model" / "deep.yaml").write_text("name: deep\nn_layer: 24\n")
-    cfg = printed_config(train_py("-cp", str(tmp_path / "configs"), "model=deep", "--cfg", "job"))
-    assert cfg["model"]["name"] == "deep" and cfg["model"]["n_layer"] == 24
+def test_config_path_replaces_configs(flag_runs):
+    model = yaml.safe_load(flag_output(flag_runs, "config path"))["model"]
+    assert model["name"] == "deep" and model["n_layer"] == 24
+
 
 def test_a_config_in_no_config_folder_is_refused(flag_runs):
     code, stderr, _ = flag_runs[0]["config not found"]  # model=deep: not in configs/

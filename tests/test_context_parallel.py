@@ -7,7 +7,8 @@
   losses of one process with the same global batch (fp32, 1e-5); a checkpoint saved under context
   parallelism resumes with it and without it on the same curve. (flash's ring step is checked over
   gloo in test_ring_attention.py.)
-- Each combination the ring cannot run stops with one line that names the option.
+- Each combination the ring cannot run is refused when the config is checked, naming the option (train.py's
+  one line for it: test_errors.py).
 """
 import dataclasses
 import json
@@ -170,15 +171,6 @@ def test_what_the_ring_cannot_run_is_refused_when_the_config_is_checked(data_cac
     with pytest.raises(UserError) as err:
         validate(cfg)
     assert str(err.value).startswith(message)
-
-
-def test_a_refused_combination_exits_with_status_2_and_one_line(tmp_path, data_cache):
-    proc = subprocess.run(command([sys.executable], tmp_path, data_cache, *CP2, "attention=hybrid"), cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: attention=hybrid does not run under context parallelism "
-                                                "(ring attention); use attention=naive, sdpa or flash (or "
-                                                "trainer.context_parallel=1)"]
 
 
 def test_a_context_parallel_size_that_does_not_divide_the_world_says_so(tmp_path, data_cache):

@@ -128,20 +128,6 @@ def test_a_sharded_checkpoint_samples_in_one_process_but_resumes_only_under_fsdp
     assert "is sharded (saved with trainer.distributed=fsdp); resume it under torchrun" in proc.stderr
 
 
-def test_ddp_without_torchrun_says_how_to_start_it(tmp_path, data_cache):
-    args = [sys.executable, "train.py", *COMMON, f"data.cache_dir={data_cache}", f"hydra.run.dir={tmp_path}",
-            "trainer.distributed=ddp"]
-    proc = subprocess.run(args, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "trainer.distributed=ddp runs under torchrun: torchrun --nproc_per_node=N" in proc.stderr
-
-
-def test_an_unknown_distributed_kind_lists_the_choices(tmp_path, data_cache):
-    args = command([sys.executable], tmp_path, data_cache, "trainer.distributed=deepspeed")
-    proc = subprocess.run(args, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "trainer.distributed='deepspeed' is not one of none, ddp, fsdp" in proc.stderr
-
-
 def test_torchrun_with_several_processes_but_no_distributed_kind_says_to_add_it(tmp_path, data_cache):
     proc = subprocess.run(command(TORCHRUN, tmp_path, data_cache), cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=300)

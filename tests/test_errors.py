@@ -22,6 +22,13 @@ CASES = [
     pytest.param(["optim.schedule=linear"], "optim.schedule='linear' is not one of cosine, wsd, constant", id="bad-schedule"),
     pytest.param(["attention=flash", "attention.strict=true"], "attention=flash cannot run", id="flash-strict-on-cpu"),
     pytest.param(["trainer.resume=/nonexistent/ckpt.pt"], "no such checkpoint; use trainer.resume=auto", id="missing-checkpoint"),
+    pytest.param(["trainer.distributed=ddp"], "trainer.distributed=ddp runs under torchrun: torchrun --nproc_per_node=N",
+                 id="ddp-without-torchrun"),
+    pytest.param(["trainer.distributed=deepspeed"], "trainer.distributed='deepspeed' is not one of none, ddp, fsdp",
+                 id="unknown-distributed-kind"),
+    pytest.param(["trainer.distributed=ddp", "trainer.context_parallel=2", "attention=hybrid"],
+                 "attention=hybrid does not run under context parallelism (ring attention); use attention=naive, sdpa "
+                 "or flash (or trainer.context_parallel=1)", id="hybrid-under-context-parallel"),
 ]
 
 
