@@ -24,7 +24,7 @@ ones that first call, compilation included, is reported as "first call s". "same
 before the first difference (bf16 rounding differs between implementations).
 
 ``kernel``: one new query against caches of 1k to 64k tokens, bf16, GPT-2's heads (H = H_kv = 12,
-D = 64) at batch 1 to 32 and a GQA shape (H = 32, H_kv = 8, D = 128) at batch 1 and 8: our kernel
+D = 64) and a GQA shape (H = 32, H_kv = 8, D = 128), each at batch 1 to 32: our kernel
 (its default launch: splits / keys per step / warps / stages, kernels/flash_decoding/launch.py) and
 SDPA on the same keys (q (B, H, 1, D), the cache (B, H_kv, L, D) as a view), SDPA as it picks (the
 CUDA kernels it launched are named) and forced to each of FlashAttention-2, cuDNN and
@@ -72,7 +72,6 @@ PROMPT, CONTEXT = 16, 1024
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BATCHES = (1, 4, 8, 16, 32)
 HEADS = ((12, 12, 64), (32, 8, 128))  # (H, H_kv, D): GPT-2's, and a GQA shape
-GQA_BATCHES = (1, 8)  # the GQA shape's batches (of those asked for)
 SDPA_FORCED = {"FA2": "FLASH_ATTENTION", "cuDNN": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
@@ -298,7 +297,7 @@ def kernel_rows(lengths, batches, l2_warm: bool) -> tuple[list[dict], dict]:
     picks, at the first length of each (H, H_kv, D, B)."""
     rows, picked = [], {}
     for H, H_kv, D in HEADS:
-        for B in batches if H == H_kv else [b for b in batches if b in GQA_BATCHES]:
+        for B in batches:
             for L in lengths:
                 row, sdpa_kernels = kernel_row(H, H_kv, D, B, L, l2_warm, name_sdpa=L == lengths[0])
                 if sdpa_kernels:

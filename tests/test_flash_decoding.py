@@ -159,11 +159,11 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
     pytest.param(H100_LIKE, 8, 12, 32768, 64, DecodeConfig(4, 128, 4, 2), id="gpt2-B8-32k"),  # 2 splits: 192, uneven
     pytest.param(H100_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 128, 4, 2), id="gpt2-B32-32k"),  # 384 pairs: no split
     pytest.param(H100_LIKE, 1, 12, 1024, 64, DecodeConfig(16, 64, 4, 3), id="gpt2-B1-1k"),  # a step of keys a split
-    pytest.param(H100_LIKE, 1, 8, 32768, 128, DecodeConfig(16, 64, 4, 3), id="gqa-B1-32k"),  # 1 per SM in flight
-    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(2, 64, 4, 3), id="gqa-B8-32k"),
+    pytest.param(H100_LIKE, 1, 8, 32768, 128, DecodeConfig(16, 64, 2, 3), id="gqa-B1-32k"),  # 1 per SM in flight; 2 warps
+    pytest.param(H100_LIKE, 8, 8, 32768, 128, DecodeConfig(2, 64, 2, 3), id="gqa-B8-32k"),
     pytest.param(H200_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 64, 4, 3), id="h200-gpt2-B1-32k"),  # 1.5x the bandwidth: 3 per SM
     pytest.param(H200_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="h200-gpt2-B32-32k"),  # all needed
-    pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 4, 3), id="h200-gqa-B1-32k"),
+    pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 2, 3), id="h200-gqa-B1-32k"),
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
     pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(10, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 1 TB/s: 1 per SM
     pytest.param(CONSUMER, 8, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="consumer-gpt2-B8-32k"),  # 2 long don't fit
@@ -171,7 +171,7 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
     """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs
     unevenly, in 128-key steps past what the bandwidth needs (D <= 64); each split at least one step
-    of keys, at most 128; the splits given are kept."""
+    of keys, at most 128; two warps at D = 128; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected

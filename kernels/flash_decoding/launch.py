@@ -21,8 +21,12 @@ leaves SMs with fewer programs than others (the programs over SMs * the waves th
 ``BALANCED``, as GPT-2's 12 heads at batch 8: 2 splits make 192 programs for 132 SMs), per_sm grows until
 they even out (4 splits, 384 programs: 137.8 µs against 142.3 at a 16k cache).
 
-**Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps,
-``NUM_STAGES`` stages. Where an SM gets more programs than the bandwidth asks for (the batch or the
+**Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps
+(``NARROW_WARPS`` where 64 < D <= 128), ``NUM_STAGES`` stages. At D = 128 two warps share a step's
+matmuls and row reductions with less exchange between warps than four: on an H200 (2026-11-28,
+docs/runs/2026-11-28-decode-warps) 1-7 % faster at batches 1-4 and caches of 4k-16k (8 KV heads of 128 at
+batch 2, 4k: 13.1 µs against 14.0), within 0.5 % either way from batch 8 and at 64k; at D = 64 two warps
+were 1-3 % slower. Where an SM gets more programs than the bandwidth asks for (the batch or the
 balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages, where they fit, keep the same
 bytes in flight in half as many steps: on an H100, where two programs per SM are enough, GPT-2's heads at batch 32
 read a 16k cache in 532.7 µs against 538.2 in 64-key steps (cuDNN 531.4). On an H200, where three
@@ -44,7 +48,7 @@ MOST_PER_SM = 3
 MAX_SPLITS = 128
 BALANCED = 0.9  # programs / (SMs * waves) at least
 BLOCK_N, LONG_BLOCK_N, WIDE_BLOCK_N = 64, 128, 32  # keys per step: D <= 128; D <= 64 past the programs needed; past 128
-NUM_WARPS = 4
+NUM_WARPS, NARROW_WARPS = 4, 2  # warps: D <= 64 and past 128; 64 < D <= 128
 NUM_STAGES, LONG_STAGES = 3, 2
 
 
@@ -61,7 +65,8 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
     cache of ``capacity`` rows on ``device``; ``num_splits`` given: that many splits, at the default tiles.
     On a CPU (the interpreter): one split."""
     block_n = BLOCK_N if head_dim <= 128 else WIDE_BLOCK_N
-    config = DecodeConfig(num_splits or 1, block_n, NUM_WARPS, NUM_STAGES)
+    warps = NARROW_WARPS if 64 < head_dim <= 128 else NUM_WARPS
+    config = DecodeConfig(num_splits or 1, block_n, warps, NUM_STAGES)
     if num_splits is not None or device.type != "cuda":
         return config
     gpu = gpu_resources(device)
