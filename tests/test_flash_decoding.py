@@ -164,6 +164,10 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
     pytest.param(H200_LIKE, 1, 12, 32768, 64, DecodeConfig(33, 64, 4, 3), id="h200-gpt2-B1-32k"),  # 1.5x the bandwidth: 3 per SM
     pytest.param(H200_LIKE, 32, 12, 32768, 64, DecodeConfig(1, 64, 4, 3), id="h200-gpt2-B32-32k"),  # all needed
     pytest.param(H200_LIKE, 1, 8, 32768, 128, DecodeConfig(33, 64, 2, 3), id="h200-gqa-B1-32k"),
+    pytest.param(H200_LIKE, 16, 8, 32768, 128, DecodeConfig(1, 128, 4, 3), id="h200-gqa-B16-32k"),  # 128 pairs: one wide each
+    pytest.param(H100_LIKE, 15, 8, 32768, 128, DecodeConfig(1, 128, 4, 3), id="gqa-B15-32k"),  # 120 pairs: balanced enough
+    pytest.param(H200_LIKE, 12, 8, 32768, 128, DecodeConfig(2, 64, 2, 3), id="h200-gqa-B12-32k"),  # 96 pairs: uneven
+    pytest.param(H200_LIKE, 11, 12, 32768, 64, DecodeConfig(3, 64, 4, 3), id="h200-gpt2-B11-32k"),  # D = 64: split
     pytest.param(H100_LIKE, 1, 1, 65536, 256, DecodeConfig(128, 32, 4, 3), id="one-head-D256"),  # the most splits
     pytest.param(CONSUMER, 1, 12, 32768, 64, DecodeConfig(10, 64, 4, 3), id="consumer-gpt2-B1-32k"),  # 1 TB/s: 1 per SM
     pytest.param(CONSUMER, 8, 12, 32768, 64, DecodeConfig(2, 64, 4, 3), id="consumer-gpt2-B8-32k"),  # 2 long don't fit
@@ -171,7 +175,8 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
     """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs
     unevenly, in 128-key steps past what the bandwidth needs (D <= 64); each split at least one step
-    of keys, at most 128; two warps at D = 128; the splits given are kept."""
+    of keys, at most 128; two warps at D = 128, one split of 128-key steps in four where the pairs fill
+    the SMs; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected
@@ -205,7 +210,8 @@ def _cuda_cases() -> list[Case]:
               Case((20000,), 1, 12, 12, 64, BF16, gate=True),
               Case((1000, 100), 1, 8, 2, 64, F32),
               Case((1000, 100), 3, 8, 2, 128, F32, gate=True),
-              Case((700, 2), 1, 8, 2, 64, BF16, capacity=2048)]
+              Case((700, 2), 1, 8, 2, 64, BF16, capacity=2048),
+              Case(tuple(range(100, 4100, 250)), 1, 32, 8, 128, BF16)]  # 128 pairs: one wide program each
     return cases
 
 

@@ -21,6 +21,14 @@ leaves SMs with fewer programs than others (the programs over SMs * the waves th
 ``BALANCED``, as GPT-2's 12 heads at batch 8: 2 splits make 192 programs for 132 SMs), per_sm grows until
 they even out (4 splits, 384 programs: 137.8 µs against 142.3 at a 16k cache).
 
+**One wide program per SM.** At 64 < D <= 128, where the pairs fill the SMs in one wave of one program
+each (at least ``BALANCED`` of them, at most one per SM) and one program of ``LONG_BLOCK_N``-key steps in
+``NUM_STAGES`` stages keeps an SM's share in flight: one split, ``LONG_BLOCK_N`` keys per step, ``NUM_WARPS``
+warps. On an H200 (2026-11-28, docs/runs/2026-11-28-decode-warps) 8 KV heads of 128 at batch 16 (128 pairs)
+read a 4k cache in 62.7 µs against 65.0 in two splits of 64-key steps (cuDNN 62.2-62.5), a 64k one in 927.5
+against 941.3 (cuDNN 921.6); at batch 15 59.0 against 61.4 (cuDNN 58.9). Two warps on 128-key steps
+were 1.3-1.7x slower.
+
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps
 (``NARROW_WARPS`` where 64 < D <= 128), ``NUM_STAGES`` stages. At D = 128 two warps share a step's
 matmuls and row reductions with less exchange between warps than four: on an H200 (2026-11-28,
@@ -75,6 +83,11 @@ def decode_config(batch: int, kv_heads: int, capacity: int, head_dim: int, elem_
     share = gpu.hbm_bytes_per_s * IN_FLIGHT_S / gpu.sms
     needed = min(fits, max(1, math.ceil(share / ((NUM_STAGES - 1) * tile_bytes))))  # programs per SM for the HBM
     pairs = batch * kv_heads
+    wide_tile_bytes = tile_bytes * LONG_BLOCK_N // block_n
+    if (64 < head_dim <= 128 and pairs <= gpu.sms and _balance(pairs, gpu.sms) >= BALANCED
+            and (NUM_STAGES - 1) * wide_tile_bytes >= share and NUM_STAGES * wide_tile_bytes <= gpu.smem
+            and LONG_BLOCK_N <= capacity):
+        return DecodeConfig(1, LONG_BLOCK_N, NUM_WARPS, NUM_STAGES)
     per_sm = needed
     splits = _splits(per_sm, gpu.sms, pairs, capacity, block_n)
     while per_sm < fits and splits < -(-capacity // block_n) and _balance(splits * pairs, gpu.sms) < BALANCED:
