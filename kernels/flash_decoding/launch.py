@@ -32,13 +32,13 @@ were 1.3-1.7x slower.
 **Tiles.** ``BLOCK_N`` keys per step (``WIDE_BLOCK_N`` past D = 128), ``NUM_WARPS`` warps
 (``NARROW_WARPS`` where 64 < D <= 128), ``NUM_STAGES`` stages. At D = 128 two warps share a step's
 matmuls and row reductions with less exchange between warps than four: on an H200 (2026-11-28,
-docs/runs/2026-11-28-decode-warps) 1-7 % faster at batches 1-4 and caches of 4k-16k (8 KV heads of 128 at
-batch 2, 4k: 13.1 µs against 14.0), within 0.5 % either way from batch 8 and at 64k; at D = 64 two warps
-were 1-3 % slower. Where an SM gets more programs than the bandwidth asks for (the batch or the
-balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages, where they fit, keep the same
-bytes in flight in half as many steps: on an H100, where two programs per SM are enough, GPT-2's heads at batch 32
-read a 16k cache in 532.7 µs against 538.2 in 64-key steps (cuDNN 531.4). On an H200, where three
-are needed, the three-stage pipeline of 64-key steps was faster at every batch (batch 32, 16k:
+docs/runs/2026-11-28-decode-warps, two rounds) 1.00-1.07x the speed of four warps at batches 2-4 and caches of
+4k-16k (8 KV heads of 128 at batch 2, 4k: 13.05 µs against 14.0), 0.98-1.05x at batch 1, 0.995-1.013x from
+batch 8 and 0.996-1.007x at 64k; at D = 64 two warps were 1-3 % slower. Where an SM gets more programs than
+the bandwidth asks for (the batch or the balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages,
+where they fit, keep the same bytes in flight in half as many steps: on an H100, where two programs per SM are
+enough, GPT-2's heads at batch 32 read a 16k cache in 532.7 µs against 538.2 in 64-key steps (cuDNN 531.4). On an
+H200, where three are needed, the three-stage pipeline of 64-key steps was faster at every batch (batch 32, 16k:
 350.5 µs against 359.1, cuDNN 350.8; docs/runs/2026-11-26-decode-6).
 """
 
