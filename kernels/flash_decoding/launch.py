@@ -33,7 +33,7 @@ were 1.3-1.7x slower.
 (``NARROW_WARPS`` where 64 < D <= 128), ``NUM_STAGES`` stages. At D = 128 two warps share a step's
 matmuls and row reductions with less exchange between warps than four: on an H200 (2026-11-28,
 docs/runs/2026-11-28-decode-warps, two rounds) 1.00-1.07x the speed of four warps at batches 2-4 and caches of
-4k-16k (8 KV heads of 128 at batch 2, 4k: 13.05 µs against 14.0), 0.98-1.05x at batch 1, 0.995-1.013x from
+4k-16k (8 KV heads of 128 at batch 2, 4k: 13.05 µs against 14.0), 0.98-1.06x at batch 1, 0.995-1.013x from
 batch 8 and 0.996-1.007x at 64k; at D = 64 two warps were 1-3 % slower. Where an SM gets more programs than
 the bandwidth asks for (the batch or the balance asked for them) at D <= 64, ``LONG_BLOCK_N`` keys in two stages,
 where they fit, keep the same bytes in flight in half as many steps: on an H100, where two programs per SM are
