@@ -175,8 +175,8 @@ CONSUMER = GpuResources(128, 101376, 1.008e12)  # an RTX 4090
 def test_the_launch_follows_the_shapes_and_the_gpu(monkeypatch, gpu, batch, kv_heads, capacity, head_dim, expected):
     """Programs per SM keep the GPU's share of bandwidth in flight, more where they would share the SMs
     unevenly, in 128-key steps past what the bandwidth needs (D <= 64); each split at least one step
-    of keys, at most 128; two warps at D = 128, one split of 128-key steps in four where the pairs fill
-    the SMs; the splits given are kept."""
+    of keys, at most 128; two warps at D = 128, and one split of 128-key steps on four warps where the
+    pairs fill the SMs; the splits given are kept."""
     monkeypatch.setattr(launch, "gpu_resources", lambda device: gpu)
     cuda = torch.device("cuda")
     assert decode_config(batch, kv_heads, capacity, head_dim, 2, cuda) == expected
